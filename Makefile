@@ -1,0 +1,36 @@
+# The two commands of the README: `make run` and `make test`. Both create .venv when missing and
+# install the project into it (torch first and pinned, so pip never pulls a multi-GB CUDA build on
+# a CPU machine), then do their job. Both are no-ops for set-up when nothing changed.
+
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+# The stamp names the torch spec, so changing TORCH_SPEC reinstalls; pyproject.toml changes too.
+STAMP := $(VENV)/.installed-$(shell printf '%s' '$(TORCH_SPEC)' | md5sum | cut -c1-10)
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: run test lint setup bench gpu-smoke clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q '$(TORCH_SPEC)'
+	$(PY) -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+run: $(STAMP)
+	$(PY) run.py $(ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: $(STAMP) lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf outputs multirun .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The engine: config schema, stage DAG, cache, launchers and tracking."""

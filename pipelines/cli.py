@@ -1,0 +1,117 @@
+"""From command-line overrides to a checked, frozen Config, with one-line errors.
+
+Hydra reports composition errors over several lines and accepts `+unknown=1` silently. So before
+Hydra's own entry point runs, every override (every point of a `-m` sweep) is composed here, turned
+into the frozen Config and checked; the first problem becomes one sentence and exit code 2, and
+nothing is launched or written.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+from typing import Any
+
+from pipelines.configtools import from_dict
+from pipelines.dag import build
+from pipelines.schema import Config, register
+from pipelines.validate import resolve
+from training.config import ConfigError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+INFO_FLAGS = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc", "--resolve"}
+FLAGS_WITH_VALUE = {"--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--package", "-p",
+                    "--experimental-rerun"}
+
+
+class UserError(Exception):
+    """A bad invocation: print the message alone and exit 2."""
+
+
+def load(data: dict[str, Any]) -> Config:
+    """The frozen, resolved Config from a composed plain dict; ConfigError on any problem."""
+    data = {k: v for k, v in data.items() if k != "hydra"}
+    cfg = resolve(from_dict(Config, data))
+    build(cfg.pipeline)
+    return cfg
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], bool, bool]:
+    """(overrides, multirun, info_only) from Hydra's command line."""
+    overrides, multirun, info = [], False, False
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in ("-m", "--multirun"):
+            multirun = True
+        elif arg in INFO_FLAGS or arg.split("=")[0] in INFO_FLAGS:
+            info = True
+        elif arg in FLAGS_WITH_VALUE:
+            skip = True
+        elif not arg.startswith("-"):
+            overrides.append(arg)
+    return overrides, multirun, info
+
+
+def sweep_points(overrides: list[str]) -> list[list[str]]:
+    """Every combination of a `-m` sweep, as lists of plain overrides."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    choices = []
+    for o in parsed:
+        if o.is_sweep_override():
+            choices.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+        else:
+            choices.append([o.input_line])
+    return [list(point) for point in itertools.product(*choices)]
+
+
+def precheck(argv: list[str]) -> None:
+    """Compose and check the invocation (each sweep point); raise UserError with one sentence."""
+    overrides, multirun, info = split_argv(argv)
+    if info:
+        return
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    register()
+    try:
+        points = sweep_points(overrides) if multirun else [overrides]
+    except Exception as err:  # noqa: BLE001 - Hydra's parser errors are user errors
+        raise UserError(one_line(err)) from None
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for point in points:
+            own = [o for o in point if not re.match(r"^[+~]*hydra[./]", o)]
+            try:
+                composed = compose(config_name="config", overrides=own)
+                load(OmegaConf.to_container(composed, resolve=True))
+            except ConfigError as err:
+                raise UserError(str(err)) from None
+            except Exception as err:  # noqa: BLE001 - composition errors are user errors
+                raise UserError(one_line(err)) from None
+
+
+def one_line(err: BaseException) -> str:
+    """Hydra's and OmegaConf's multi-line errors as one sentence naming the key and the value."""
+    from hydra.errors import MissingConfigException
+
+    if isinstance(err, MissingConfigException) and err.options:
+        group, _, option = (err.missing_cfg_file or "").partition("/")
+        return f"{group}={option}: no such option; available: {', '.join(sorted(err.options))}"
+    cause = err.__cause__ or err
+    full_key = getattr(cause, "full_key", None)
+    lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith(("full_key:", "object_type=", "reference_type="))]
+    message = lines[0] if lines else type(cause).__name__
+    if "not in struct" in message or "is not in" in message:
+        message = "unknown key; see `python run.py --cfg job` for the valid keys"
+    match = re.search(r"Error merging override (\S+)", str(err))
+    if full_key and match:
+        return f"{match.group(1)}: {message}"
+    if full_key:
+        return f"{full_key}: {message}"
+    return " ".join(lines) if lines else message

@@ -1,0 +1,145 @@
+"""launcher=local: worker processes on this machine, rendezvous on 127.0.0.1.
+
+`nodes=4` means four groups of `procs_per_node` processes; each knows its node index
+(GROUP_RANK), so the env stage sees four nodes. Each worker is its own process group, so that a
+failed stage kills exactly the processes it started, children included, and none outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pipelines.launchers.base import StageFailed, Task, WorldSpec
+from pipelines.launchers.worker import (
+    BACKEND_ENV,
+    DEVICE_ENV,
+    DISTRIBUTED_ENV,
+    ERROR_FILE,
+    RESULT_FILE,
+    TIMEOUT_ENV,
+)
+from pipelines.schema import LauncherConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+POLL_S = 0.05
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_env(rank: int, world: WorldSpec, port: int, cfg: LauncherConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world.size),
+        LOCAL_RANK=str(rank % world.procs_per_node),
+        LOCAL_WORLD_SIZE=str(world.procs_per_node),
+        GROUP_RANK=str(rank // world.procs_per_node),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        PYTHONUNBUFFERED="1",
+        **{
+            BACKEND_ENV: cfg.backend,
+            TIMEOUT_ENV: str(cfg.timeout_s),
+            DISTRIBUTED_ENV: "1" if world.distributed else "0",
+            # All emulated nodes share this host's GPUs: device = global rank.
+            DEVICE_ENV: str(rank),
+        },
+    )
+    # Every rank shares this host's cores; unbounded intra-op threads would oversubscribe them.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world.size)))
+    return env
+
+
+class LocalLauncher:
+    def __init__(self, cfg: LauncherConfig):
+        self.cfg = cfg
+
+    def run(self, task: Task, world: WorldSpec) -> Any:
+        workdir = Path(task.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        for stale in [workdir / RESULT_FILE, *workdir.glob("error-rank*.txt")]:
+            stale.unlink(missing_ok=True)
+        task_file = workdir / "task.pkl"
+        task_file.write_bytes(pickle.dumps(task))
+        port = free_port()
+        procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(world.size):
+                log = open(workdir / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed by the child's exit
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "pipelines.launchers.worker", str(task_file)],
+                        env=worker_env(rank, world, port, self.cfg),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        cwd=os.getcwd(),
+                        start_new_session=True,
+                    )
+                )
+                log.close()
+            self._wait(procs, workdir)
+        finally:
+            _kill(procs)
+        result_file = workdir / RESULT_FILE
+        if not result_file.exists():
+            raise StageFailed(f"{task.stage}: rank 0 exited cleanly but left no result (see {workdir}/rank0.log)")
+        return pickle.loads(result_file.read_bytes())
+
+    def _wait(self, procs: list[subprocess.Popen], workdir: Path) -> None:
+        """Return when every rank exited 0; raise on the first failure, after a grace period."""
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                deadline = time.monotonic() + self.cfg.grace_s
+                while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                    time.sleep(POLL_S)
+                raise StageFailed(_describe_failure(procs, workdir, first=failed))
+            if all(c == 0 for c in codes):
+                return
+            time.sleep(POLL_S)
+
+    def close(self) -> None:
+        pass
+
+
+def _describe_failure(procs: list[subprocess.Popen], workdir: Path, first: list[int]) -> str:
+    """Describe the rank that failed first: its error's last line, or how it died."""
+    ranks = [*first, *(r for r in range(len(procs)) if r not in first)]
+    for rank in ranks:
+        code = procs[rank].returncode
+        error = workdir / ERROR_FILE.format(rank=rank)
+        if error.exists():
+            lines = error.read_text().strip().splitlines()
+            return f"rank {rank} failed: {lines[-1] if lines else 'no message'} (logs: {workdir})"
+        if code is not None and code < 0:
+            return f"rank {rank} was killed by {signal.Signals(-code).name} (logs: {workdir})"
+        if code not in (None, 0):
+            return f"rank {rank} exited with code {code} without an error report (logs: {workdir})"
+    return f"a rank failed without an error report (logs: {workdir})"
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL every worker's process group that is still alive, then reap them."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        proc.wait()

@@ -1,0 +1,102 @@
+"""The worker entry point, identical under every launcher.
+
+    python -m pipelines.launchers.worker <task.pkl>
+
+It reads its place in the world from torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT), initialises torch.distributed with a collective timeout, calls the
+stage function, and leaves rank 0's result next to the task file. Any exception is written to
+`error-rank<R>.txt` (its last line is the message the driver reports) and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from pipelines.launchers.base import Task
+
+RESULT_FILE = "result.pkl"
+ERROR_FILE = "error-rank{rank}.txt"
+BACKEND_ENV = "SCALESTUDY_BACKEND"
+TIMEOUT_ENV = "SCALESTUDY_TIMEOUT_S"
+DISTRIBUTED_ENV = "SCALESTUDY_DISTRIBUTED"
+DEVICE_ENV = "SCALESTUDY_DEVICE_INDEX"
+
+
+def resolve_function(path: str) -> Any:
+    import importlib
+
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _setup_torch() -> None:
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get(DEVICE_ENV, os.environ.get("LOCAL_RANK", "0"))))
+    if os.environ.get(DISTRIBUTED_ENV, "1") != "1":
+        return
+    backend = os.environ.get(BACKEND_ENV, "auto")
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "180")))
+    dist.init_process_group(backend=backend, timeout=timeout)
+
+
+def _teardown_torch() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_task(task: Task) -> Any:
+    """Call the stage function on this rank; used by every launcher."""
+    fn = resolve_function(task.fn)
+    kwargs = dict(task.kwargs)
+    rank = int(os.environ.get("RANK", "0"))
+    if task.artifacts is not None:
+        # Only rank 0 writes artifacts; the others get a private scratch directory.
+        kwargs["artifacts"] = task.artifacts if rank == 0 else Path(task.workdir) / f"scratch-rank{rank}"
+        Path(kwargs["artifacts"]).mkdir(parents=True, exist_ok=True)
+    return fn(task.inputs, **kwargs)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def main(task_file: str) -> int:
+    task_path = Path(task_file)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        task: Task = pickle.loads(task_path.read_bytes())
+        _setup_torch()
+        result = run_task(task)
+        if rank == 0:
+            write_atomic(task_path.parent / RESULT_FILE, pickle.dumps(result))
+        _teardown_torch()
+        return 0
+    except BaseException as err:  # noqa: BLE001 - every failure must reach the driver
+        text = traceback.format_exc()
+        sys.stderr.write(text)
+        message = f"{type(err).__name__}: {err}".strip()
+        write_atomic(task_path.parent / ERROR_FILE.format(rank=rank), f"{text}\n{message}\n".encode())
+        return 1
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # os._exit skips interpreter teardown, where a broken process group can hang.
+    os._exit(code)

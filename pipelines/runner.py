@@ -1,0 +1,259 @@
+"""Run the DAG: for each stage, compute its key, reuse or run it, record and log the outcome.
+
+The runner is the only place that knows about the cache, the launcher and the tracker together;
+a stage sees its own frozen config and its upstream results, nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipelines.cache import Cache, Entry, digest, stage_key
+from pipelines.configtools import flatten, to_jsonable
+from pipelines.dag import Dag, Stage, build, stage_inputs
+from pipelines.launchers import Launcher, StageFailed, Task, WorldSpec, make_launcher
+from pipelines.launchers.worker import run_task
+from pipelines.schema import Config
+from pipelines.tracking import Tracker, git_commit, make_tracker
+
+SUMMARY = "summary.json"
+
+
+@dataclass
+class Outcome:
+    status: str
+    """ran | cached | failed | skipped"""
+    seconds: float = 0.0
+    key: str | None = None
+    error: str | None = None
+    result: Any = None
+    baseline: dict[str, Any] | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        data = {
+            "status": self.status,
+            "seconds": round(self.seconds, 3),
+            "key": self.key,
+            "error": self.error,
+            "result": to_jsonable(self.result) if self.result is not None else None,
+        }
+        if self.baseline is not None:
+            data["baseline"] = self.baseline
+        return data
+
+
+@dataclass
+class Summary:
+    stages: dict[str, Outcome] = field(default_factory=dict)
+    mlflow_run_id: str | None = None
+    path: Path | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(o.status in ("ran", "cached") or o.error == NOT_SELECTED for o in self.stages.values())
+
+
+NOT_SELECTED = "not selected by only=[...]"
+
+
+class Runner:
+    def __init__(self, cfg: Config, run_dir: Path, tracker: Tracker, launcher: Launcher, echo=print):
+        self.cfg, self.run_dir, self.tracker, self.launcher, self.echo = cfg, run_dir, tracker, launcher, echo
+        self.dag: Dag = build(cfg.pipeline)
+        self.cache = Cache(cfg.cache_dir)
+        self.world = WorldSpec(cfg.nodes, cfg.procs_per_node)
+
+    def run(self) -> Summary:
+        summary = Summary()
+        selected = self.dag.closure(self.cfg.only) if self.cfg.only else self.dag.order
+        forced = set(self.cfg.force)
+        try:
+            for index, name in enumerate(self.dag.order, 1):
+                stage = self.dag.stages[name]
+                if name not in selected:
+                    summary.stages[name] = Outcome("skipped", error=NOT_SELECTED)
+                    continue
+                blocked = [u for u in stage.upstream if summary.stages[u].status in ("failed", "skipped")]
+                if blocked:
+                    outcome = Outcome("skipped", error=f"upstream stage {blocked[0]} {summary.stages[blocked[0]].status}")
+                else:
+                    self.echo(f"[{index}/{len(self.dag.order)}] {name}: {self._where(stage)} ...")
+                    outcome = self._stage(stage, summary.stages, force=name in forced)
+                summary.stages[name] = outcome
+                self._log(stage, outcome)
+                self.echo(f"[{index}/{len(self.dag.order)}] {name}: {_describe(outcome)}")
+        except KeyboardInterrupt:
+            running = next((n for n in self.dag.order if n not in summary.stages), None)
+            if running:
+                summary.stages[running] = Outcome("failed", error="interrupted (Ctrl-C)")
+            for rest in self.dag.order:
+                summary.stages.setdefault(rest, Outcome("skipped", error="interrupted (Ctrl-C)"))
+            self._finish(summary)
+            raise
+        self._finish(summary)
+        return summary
+
+    def _where(self, stage: Stage) -> str:
+        resources = stage.spec.resources
+        if resources == "world":
+            return f"{self.world.size} ranks ({self.cfg.nodes} nodes x {self.cfg.procs_per_node}) on launcher={self.cfg.launcher.name}"
+        return "one device" if resources == "one_device" else "driver"
+
+    def _stage(self, stage: Stage, done: dict[str, Outcome], force: bool) -> Outcome:
+        inputs = stage_inputs(stage, self.cfg)
+        kwargs = {n: done[n].result for n in stage.spec.needs}
+        upstream = {n: digest(done[n].result) for n in stage.spec.needs}
+        baseline_info = None
+        world = self._world_of(stage)
+        if stage.spec.baseline:
+            single = WorldSpec(1, 1)
+            if world.size == 1:
+                kwargs["baseline"] = None
+            else:
+                base = self._run_or_load(stage, inputs, dict(kwargs, baseline=None), upstream, single, force, "baseline")
+                if base.status == "failed":
+                    return Outcome("failed", base.seconds, base.key, f"baseline: {base.error}")
+                kwargs["baseline"] = base.result
+                upstream["baseline"] = digest(base.result)
+                baseline_info = {"status": base.status, "seconds": round(base.seconds, 3), "key": base.key}
+        outcome = self._run_or_load(stage, inputs, kwargs, upstream, world, force, None)
+        outcome.baseline = baseline_info
+        return outcome
+
+    def _world_of(self, stage: Stage) -> WorldSpec:
+        if stage.spec.resources == "world":
+            return self.world
+        return WorldSpec(1, 1, distributed=False)
+
+    def _run_or_load(self, stage, inputs, kwargs, upstream, world: WorldSpec, force: bool, variant: str | None) -> Outcome:
+        name = f"{stage.name}-{variant}" if variant else stage.name
+        extra = {"world": [world.nodes, world.procs_per_node]} if stage.spec.resources == "world" else {}
+        key = stage_key(name, stage.spec.fn, inputs, upstream, extra)
+        entry = None if force else self.cache.load(name, key, stage.result_type)
+        if entry is not None:
+            outcome = Outcome("cached", entry.seconds, key, result=entry.result)
+            outcome._entry = entry  # type: ignore[attr-defined]
+            return outcome
+        staging = self.cache.staging(name)
+        task = Task(
+            stage=name,
+            fn=stage.spec.fn,
+            inputs=inputs,
+            kwargs=kwargs,
+            artifacts=staging / "artifacts" if stage.wants_artifacts else None,
+            workdir=self.run_dir / "logs" / name,
+        )
+        start = time.perf_counter()
+        try:
+            result = self._launch(stage, task, world)
+        except StageFailed as err:
+            self.cache.discard(staging)
+            return Outcome("failed", time.perf_counter() - start, key, error=str(err))
+        seconds = time.perf_counter() - start
+        metrics = list(result.metrics()) if hasattr(result, "metrics") else []
+        entry = self.cache.commit(staging, name, key, result, metrics, seconds)
+        outcome = Outcome("ran", seconds, key, result=result)
+        outcome._entry = entry  # type: ignore[attr-defined]
+        return outcome
+
+    def _launch(self, stage: Stage, task: Task, world: WorldSpec) -> Any:
+        if stage.spec.resources != "driver":
+            return self.launcher.run(task, world)
+        Path(task.workdir).mkdir(parents=True, exist_ok=True)
+        try:
+            return run_task(task)
+        except Exception as err:  # noqa: BLE001 - a stage's failure is reported, not raised
+            (Path(task.workdir) / "driver.log").write_text(traceback.format_exc())
+            raise StageFailed(f"{type(err).__name__}: {err} (traceback: {task.workdir}/driver.log)") from err
+
+    def _log(self, stage: Stage, outcome: Outcome) -> None:
+        entry: Entry | None = getattr(outcome, "_entry", None)
+        tags = {"cached": str(outcome.status == "cached").lower(), "cache_key": outcome.key or ""}
+        if outcome.error:
+            tags["error"] = outcome.error[:5000]
+        params = flatten(to_jsonable(stage_inputs(stage, self.cfg)))
+        metrics = entry.metrics if entry else []
+        self.tracker.log_stage(stage.name, outcome.status, tags, params, metrics, entry.artifacts if entry else None)
+        if stage.name == "report" and entry is not None:
+            _copy_tree(entry.artifacts, self.run_dir / "report")
+
+    def _finish(self, summary: Summary) -> None:
+        summary.mlflow_run_id = self.tracker.run_id
+        path = self.run_dir / SUMMARY
+        payload = {
+            "stages": {n: o.as_json() for n, o in summary.stages.items()},
+            "mlflow_run_id": summary.mlflow_run_id,
+            "ok": summary.ok,
+            "run_dir": str(self.run_dir),
+        }
+        tmp = path.with_name(SUMMARY + ".tmp")
+        tmp.write_text(json.dumps(payload, indent=2, default=str))
+        os.replace(tmp, path)
+        summary.path = path
+        self.tracker.finish(summary.ok, [path])
+
+
+def _copy_tree(src: Path, dst: Path) -> None:
+    import shutil
+
+    if src.is_dir():
+        shutil.copytree(src, dst, dirs_exist_ok=True)
+
+
+def _describe(outcome: Outcome) -> str:
+    text = f"{outcome.status} in {outcome.seconds:.1f} s"
+    if outcome.baseline:
+        text += f" (1-device baseline {outcome.baseline['status']})"
+    if outcome.error:
+        text += f": {outcome.error}"
+    return text
+
+
+def run_pipeline(cfg: Config, run_dir: Path, echo=print) -> Summary:
+    """Build the DAG, open tracking, run every selected stage, write summary.json."""
+    dag = build(cfg.pipeline)  # fails on a bad DAG before MLflow or any process starts
+    tracker = make_tracker(cfg.tracking)
+    launcher = make_launcher(cfg.launcher)
+    world = cfg.nodes * cfg.procs_per_node
+    tracker.start(
+        run_dir.name,
+        params=flatten(to_jsonable(cfg)),
+        tags={
+            "strategy": cfg.strategy.name,
+            "nodes": str(cfg.nodes),
+            "procs_per_node": str(cfg.procs_per_node),
+            "world_size": str(world),
+            "launcher": cfg.launcher.name,
+            "model": cfg.model.name,
+            "data": cfg.data.name,
+            "pipeline": cfg.pipeline.name,
+            "stages": ",".join(dag.order),
+            "git_commit": git_commit(),
+            "run_dir": str(run_dir),
+        },
+    )
+    try:
+        return Runner(cfg, run_dir, tracker, launcher, echo).run()
+    finally:
+        launcher.close()
+
+
+def summary_table(summary: Summary) -> str:
+    """The closing table: one row per stage with its status, time and headline numbers."""
+    rows = [("stage", "status", "seconds", "result")]
+    for name, outcome in summary.stages.items():
+        if outcome.result is not None and hasattr(outcome.result, "headline"):
+            text = outcome.result.headline()
+        else:
+            text = outcome.error or ""
+        rows.append((name, outcome.status, f"{outcome.seconds:.1f}", text))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}" for r in rows]
+    lines.insert(1, "-" * max(len(line) for line in lines))
+    return "\n".join(lines)

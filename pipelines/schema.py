@@ -1,0 +1,139 @@
+"""The whole configuration: engine-side groups here, training-side groups from training.config.
+
+`register()` puts the mutable twins into Hydra's ConfigStore, so that a wrong type, an unknown
+option or an unknown key fails at composition with Hydra's list of valid options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+from pipelines.configtools import hydra_schema
+from training.config import (
+    BandwidthConfig,
+    ConfigError,
+    DataConfig,
+    EnvConfig,
+    LrFindConfig,
+    ModelConfig,
+    PlanConfig,
+    StrategyConfig,
+    TrainConfig,
+)
+
+RESOURCES = ("driver", "one_device", "world")
+LAUNCHERS = ("local",)
+BACKENDS = ("auto", "gloo", "nccl")
+TRACKERS = ("mlflow", "none")
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    fn: str
+    """`module:function` of the stage, e.g. `stages.train:run`."""
+    needs: list[str] = field(default_factory=list)
+    """Stages whose results this one receives, as keyword arguments of the same names."""
+    after: list[str] = field(default_factory=list)
+    """Stages that must succeed first without passing their results (gates, e.g. env)."""
+    resources: str = "driver"
+    """Where it runs: `driver` (in the driver process), `one_device` (one worker) or `world`
+    (every rank of nodes x procs_per_node)."""
+    baseline: bool = False
+    """Also run this world stage on one device first (cached on its own) and pass that result
+    as its `baseline` argument; `train` uses it for scaling efficiency."""
+
+    def __post_init__(self) -> None:
+        if ":" not in self.fn:
+            raise ConfigError("fn", self.fn, "must be 'module:function', e.g. stages.train:run")
+        if self.resources not in RESOURCES:
+            raise ConfigError("resources", self.resources, f"must be one of {', '.join(RESOURCES)}")
+        if self.baseline and self.resources != "world":
+            raise ConfigError("baseline", self.baseline, "only a resources=world stage can have a baseline")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    name: str = "full"
+    """Pipeline name, recorded in tags."""
+    stages: dict[str, StageSpec] = field(default_factory=dict)
+    """The stages by name, in any order; the DAG comes from `needs` and `after`."""
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    name: str = "local"
+    """Where world and one_device stages run: `local` starts worker processes on this machine."""
+    backend: str = "auto"
+    """torch.distributed backend: `auto` (nccl with CUDA, gloo otherwise), `gloo` or `nccl`."""
+    timeout_s: float = 180.0
+    """Collective timeout: a rank that waits longer on a peer fails instead of hanging."""
+    grace_s: float = 10.0
+    """After one rank fails, how long the others get to exit on their own before being killed."""
+
+    def __post_init__(self) -> None:
+        if self.name not in LAUNCHERS:
+            raise ConfigError("name", self.name, f"must be one of {', '.join(LAUNCHERS)}")
+        if self.backend not in BACKENDS:
+            raise ConfigError("backend", self.backend, f"must be one of {', '.join(BACKENDS)}")
+        if self.timeout_s <= 0:
+            raise ConfigError("timeout_s", self.timeout_s, "must be a number of seconds > 0")
+        if self.grace_s < 0:
+            raise ConfigError("grace_s", self.grace_s, "must be a number of seconds >= 0")
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    name: str = "mlflow"
+    """`mlflow` logs one parent run per invocation and one nested run per stage; `none` logs nothing."""
+    uri: str = "sqlite:///outputs/mlflow.db"
+    """MLflow tracking URI: a sqlite file (default, no server) or an http(s) server."""
+    experiment: str = "scalestudy"
+    """MLflow experiment name."""
+
+    def __post_init__(self) -> None:
+        if self.name not in TRACKERS:
+            raise ConfigError("name", self.name, f"must be one of {', '.join(TRACKERS)}")
+        if self.name == "mlflow" and not self.uri:
+            raise ConfigError("uri", self.uri, "must be an MLflow tracking URI, e.g. sqlite:///outputs/mlflow.db")
+        if self.name == "mlflow" and not self.experiment:
+            raise ConfigError("experiment", self.experiment, "must be a non-empty experiment name")
+
+
+@dataclass(frozen=True)
+class Config:
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    bandwidth: BandwidthConfig = field(default_factory=BandwidthConfig)
+    lr_find: LrFindConfig = field(default_factory=LrFindConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    nodes: int = 2
+    """Hosts of the target world; with launcher=local, groups of local worker processes."""
+    procs_per_node: int | None = None
+    """Ranks per node; null means the GPUs per node, or 1 on CPU."""
+    seed: int = 0
+    """Seed of the model initialisation and the data order."""
+    only: list[str] = field(default_factory=list)
+    """Run just these stages (their missing upstream results are computed first)."""
+    force: list[str] = field(default_factory=list)
+    """Re-run these stages even when cached."""
+    cache_dir: str = "outputs/cache"
+    """Where stage results are stored under their content keys."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ConfigError("nodes", self.nodes, "must be an integer >= 1")
+        if self.procs_per_node is not None and self.procs_per_node < 1:
+            raise ConfigError("procs_per_node", self.procs_per_node, "must be an integer >= 1, or null")
+
+
+def register() -> None:
+    """Store the schema of the top-level config in Hydra's ConfigStore as `base_config`."""
+    ConfigStore.instance().store(name="base_config", node=hydra_schema(Config))

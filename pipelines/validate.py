@@ -1,0 +1,93 @@
+"""Checks that span several config groups, run on the driver before anything is launched.
+
+Single-field checks live in each dataclass's `__post_init__`; these need two fields at once or a
+fact of the machine (how many GPUs there are). All raise ConfigError: one sentence, the key, the
+value, what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from pipelines.schema import Config
+from training.config import ConfigError
+
+TOKEN_DATA = ("markov", "text")
+FEATURE_DATA = ("blobs",)
+TEXT_VOCAB = 256
+
+
+def cuda_device_count() -> int:
+    """Visible CUDA devices; imports torch, so call it only once the config composed."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve(cfg: Config, gpus_per_node: int | None = None) -> Config:
+    """Fill in what defaults to the machine (procs_per_node) and check the cross-field rules."""
+    gpus = cuda_device_count() if gpus_per_node is None else gpus_per_node
+    procs = cfg.procs_per_node or max(gpus, 1)
+    cfg = dataclasses.replace(cfg, procs_per_node=procs)
+    _check_world(cfg, gpus)
+    _check_model_data(cfg)
+    _check_batches(cfg)
+    _check_stage_names(cfg)
+    _check_outputs(cfg)
+    return cfg
+
+
+def _check_world(cfg: Config, gpus: int) -> None:
+    world = cfg.nodes * cfg.procs_per_node
+    if cfg.launcher.backend == "nccl" and gpus == 0:
+        raise ConfigError("launcher.backend", "nccl", "needs CUDA GPUs and none are visible; use auto or gloo")
+    if cfg.launcher.name == "local" and gpus and world > gpus:
+        raise ConfigError(
+            "nodes",
+            cfg.nodes,
+            f"nodes x procs_per_node = {world} ranks, but launcher=local has {gpus} GPUs on this host; "
+            f"use nodes=1 procs_per_node<={gpus}, or launcher=ray/slurm for more hosts",
+        )
+
+
+def _check_model_data(cfg: Config) -> None:
+    model, data = cfg.model, cfg.data
+    if model.kind == "gpt" and data.kind not in TOKEN_DATA:
+        raise ConfigError("data", data.name, f"model={model.name} (gpt) needs token data: one of {', '.join(TOKEN_DATA)}")
+    if model.kind == "mlp" and data.kind not in FEATURE_DATA:
+        raise ConfigError("data", data.name, f"model={model.name} (mlp) needs feature data: one of {', '.join(FEATURE_DATA)}")
+    if data.kind == "text" and model.vocab_size < TEXT_VOCAB:
+        raise ConfigError("model.vocab_size", model.vocab_size, f"data=text is byte-level and needs >= {TEXT_VOCAB}")
+    if data.kind == "markov" and data.branching > model.vocab_size:
+        raise ConfigError("data.branching", data.branching, f"must be <= model.vocab_size={model.vocab_size}")
+
+
+def _check_batches(cfg: Config) -> None:
+    world = cfg.nodes * cfg.procs_per_node
+    global_batch = cfg.train.micro_batch * cfg.train.grad_accum * world
+    if cfg.data.num_samples < global_batch:
+        raise ConfigError(
+            "data.num_samples",
+            cfg.data.num_samples,
+            f"must hold at least one global batch (micro_batch x grad_accum x world = {global_batch})",
+        )
+    finder_batch = cfg.lr_find.batch or cfg.train.micro_batch
+    if cfg.data.num_samples < finder_batch:
+        raise ConfigError("lr_find.batch", finder_batch, f"must be <= data.num_samples={cfg.data.num_samples}")
+
+
+def _check_stage_names(cfg: Config) -> None:
+    known = sorted(cfg.pipeline.stages)
+    for key in ("only", "force"):
+        for name in getattr(cfg, key):
+            if name not in cfg.pipeline.stages:
+                raise ConfigError(key, name, f"is not a stage of pipeline={cfg.pipeline.name}; stages: {', '.join(known)}")
+
+
+def _check_outputs(cfg: Config) -> None:
+    path = Path(cfg.cache_dir).resolve()
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError("cache_dir", cfg.cache_dir, f"must be a writable directory ({existing} is not writable)")

@@ -1,0 +1,59 @@
+"""scalestudy: measure, plan and run the scaling of a training job, and keep the evidence.
+
+    python run.py                              # the full DAG with the defaults (2 CPU workers)
+    python run.py strategy=ddp nodes=4         # the product card's form
+    python run.py -m nodes=1,2                 # a sweep
+    python run.py only=[plan] force=[lr_find]  # part of the DAG
+
+Every invocation writes summary.json in its Hydra run dir and prints its path.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from pipelines.cli import UserError, load, precheck
+from pipelines.schema import register
+from training.config import ConfigError
+
+register()
+EXIT_CODES: list[int] = []
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def app(dcfg: DictConfig) -> None:
+    from pipelines.runner import run_pipeline, summary_table
+
+    try:
+        cfg = load(OmegaConf.to_container(dcfg, resolve=True))
+        summary = run_pipeline(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        EXIT_CODES.append(2)
+        return
+    print(summary_table(summary))
+    print(f"summary: {summary.path}")
+    EXIT_CODES.append(0 if summary.ok else 1)
+
+
+def main() -> None:
+    try:
+        precheck(sys.argv[1:])
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        app()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(max(EXIT_CODES, default=0))
+
+
+if __name__ == "__main__":
+    main()

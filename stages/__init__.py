@@ -1,0 +1,1 @@
+"""One module per stage: env_check, bandwidth, lr_find, plan, train, report."""

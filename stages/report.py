@@ -1,0 +1,127 @@
+"""report: one page of Markdown and its plots, from the results of every other stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from stages.bandwidth import BandwidthResult
+from stages.env_check import EnvResult
+from stages.lr_find import LrFindResult
+from stages.plan import PlanResult
+from stages.train import TrainResult
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class ReportInputs:
+    """The report reads only its upstream results."""
+
+
+@dataclass(frozen=True)
+class ReportResult:
+    files: list[str]
+    scaling_efficiency: float
+    samples_per_s: float
+
+    def headline(self) -> str:
+        return f"{len(self.files)} files: {', '.join(self.files)}"
+
+
+def _plot_lr(lr: LrFindResult, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([p.lr for p in lr.curve], [p.loss for p in lr.curve], alpha=0.3, label="loss")
+    ax.plot([p.lr for p in lr.curve], [p.smoothed for p in lr.curve], label="smoothed")
+    ax.axvline(lr.suggested_lr, color="C2", ls="--", label=f"suggested {lr.suggested_lr:.1e} ({lr.rule})")
+    ax.axvline(lr.scaled_lr, color="C3", ls=":", label=f"scaled {lr.scaled_lr:.1e} ({lr.lr_scaling})")
+    ax.set(xscale="log", xlabel="learning rate", ylabel="loss", title="LR range test")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_busbw(bw: BandwidthResult, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in sorted({m.collective for m in bw.results}):
+        points = [m for m in bw.results if m.collective == name]
+        ax.plot([m.bytes for m in points], [m.busbw_gbps for m in points], marker="o", ms=3, label=name)
+    ax.axhline(bw.ruler_gbps, color="grey", ls="--", label=f"ruler {bw.ruler_gbps:g} GB/s")
+    ax.set(xscale="log", yscale="log", xlabel="message size (bytes)", ylabel="busbw (GB/s)",
+           title=f"Collective bandwidth, world {bw.world_size} ({bw.backend})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_loss(train: TrainResult, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(1, len(train.losses) + 1), train.losses)
+    ax.set(xlabel="optimizer step", ylabel="loss",
+           title=f"{train.strategy} x{train.world_size}, global batch {train.global_batch}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def markdown(env: EnvResult, bandwidth: BandwidthResult, lr: LrFindResult, plan: PlanResult,
+             train: TrainResult, plots: list[str]) -> str:
+    mfu = f"{train.mfu_pct:.1f} %" if train.mfu_pct is not None else "n/a (peak FLOP/s unknown)"
+    rows = [
+        ("strategy", train.strategy),
+        ("world size", f"{train.world_size} ({env.nodes} nodes)"),
+        ("global batch", f"{train.global_batch} ({train.micro_batch} x {train.grad_accum} accumulation x {train.world_size})"),
+        ("throughput", f"{train.samples_per_s:.1f} samples/s, {train.tokens_per_s:.0f} tokens/s"),
+        ("per device", f"{train.samples_per_s_per_device:.1f} samples/s, {train.tokens_per_s_per_device:.0f} tokens/s"),
+        ("1-device baseline", f"{train.baseline_samples_per_s:.1f} samples/s"),
+        ("scaling efficiency", f"{train.scaling_efficiency:.3f}"),
+        ("step time", f"{train.step_time_s * 1e3:.1f} ms"),
+        ("MFU", mfu),
+        ("peak memory per device", f"{train.peak_memory_bytes / GIB:.4f} GiB ({train.memory_source})"),
+        ("loss", f"{train.losses[0]:.4f} -> {train.final_loss:.4f} in {train.steps} steps"),
+        ("learning rate", f"{train.lr:.3e} from {train.lr_source}"),
+        ("ranks in sync", str(train.ranks_in_sync)),
+    ]
+    lines = ["# scalestudy report", "", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
+    lines += ["## Plan", "", f"Recommended strategy: **{plan.recommended_strategy}**", ""]
+    lines += [f"- {reason}" for reason in plan.reasons] + [""]
+    lines += ["## Fleet", "", env.headline(), "", "## Bandwidth", "", bandwidth.verdict, ""]
+    if bandwidth.results:
+        lines += ["| collective | bytes | time (us) | algbw (GB/s) | busbw (GB/s) |", "|---|---:|---:|---:|---:|"]
+        largest = max(m.bytes for m in bandwidth.results)
+        lines += [
+            f"| {m.collective} | {m.bytes} | {m.time_us:.1f} | {m.algbw_gbps:.3f} | {m.busbw_gbps:.3f} |"
+            for m in bandwidth.results
+            if m.bytes == largest
+        ]
+        lines.append("")
+    lines += ["## Learning rate", "", lr.headline(), ""]
+    lines += [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def run(cfg: ReportInputs, *, env: EnvResult, bandwidth: BandwidthResult, lr_find: LrFindResult,
+        plan: PlanResult, train: TrainResult, artifacts: Path) -> ReportResult:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    plots = ["lr_find.png", "loss.png"]
+    _plot_lr(lr_find, artifacts / "lr_find.png")
+    _plot_loss(train, artifacts / "loss.png")
+    if bandwidth.results:
+        _plot_busbw(bandwidth, artifacts / "busbw.png")
+        plots.insert(1, "busbw.png")
+    (artifacts / "report.md").write_text(markdown(env, bandwidth, lr_find, plan, train, plots))
+    return ReportResult(
+        files=["report.md", *plots],
+        scaling_efficiency=train.scaling_efficiency,
+        samples_per_s=train.samples_per_s,
+    )

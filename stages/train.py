@@ -1,0 +1,179 @@
+"""train: the scaled run, and (through the engine) the 1-device baseline it is measured against.
+
+Weak scaling: the per-device micro-batch is fixed, so the global batch grows with the world.
+Scaling efficiency = samples/s(N) / (N x samples/s(1)), both measured in the same invocation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from stages.common import log, workbench
+from stages.lr_find import LrFindResult
+from stages.plan import PlanResult
+from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig
+from training.data import GlobalBatches
+from training.dist import gather_objects, rank, world_size
+from training.flops import peak_flops
+from training.loop import lr_lambda, train_loop
+from training.memory import StepMemory, measure_step
+from training.models import loss_fn, tokens_per_sample
+from training.parallel.ddp import apply_ddp
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class TrainInputs:
+    train: TrainConfig
+    model: ModelConfig
+    data: DataConfig
+    strategy: StrategyConfig
+    seed: int
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    strategy: str
+    world_size: int
+    steps: int
+    final_loss: float
+    losses: list[float]
+    lrs: list[float]
+    lr: float
+    lr_source: str
+    global_batch: int
+    micro_batch: int
+    grad_accum: int
+    samples_per_s: float
+    tokens_per_s: float
+    samples_per_s_per_device: float
+    tokens_per_s_per_device: float
+    step_time_s: float
+    baseline_samples_per_s: float
+    scaling_efficiency: float
+    peak_memory_bytes: int
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+    activation_bytes: int
+    memory_source: str
+    flops_per_sample: float
+    mfu_pct: float | None
+    """None where the device's peak FLOP/s is unknown (CPUs, unlisted GPUs)."""
+    device: str
+    ranks_in_sync: bool
+    """Every rank ended with bitwise-identical parameters (replicated strategies)."""
+
+    def metrics(self) -> list[tuple[str, float, int]]:
+        out = [("train/loss", loss, step) for step, loss in enumerate(self.losses, 1)]
+        out += [("train/lr", lr, step) for step, lr in enumerate(self.lrs, 1)]
+        # Samples seen as the step: runs of different world sizes line up on one axis.
+        out += [("train/loss_by_samples", loss, step * self.global_batch) for step, loss in enumerate(self.losses, 1)]
+        scalars = {
+            "train/final_loss": self.final_loss,
+            "train/samples_per_s": self.samples_per_s,
+            "train/tokens_per_s": self.tokens_per_s,
+            "train/samples_per_s_per_device": self.samples_per_s_per_device,
+            "train/tokens_per_s_per_device": self.tokens_per_s_per_device,
+            "train/step_time_ms": self.step_time_s * 1e3,
+            "train/baseline_samples_per_s": self.baseline_samples_per_s,
+            "train/scaling_efficiency": self.scaling_efficiency,
+            "train/world_size": float(self.world_size),
+            "memory/peak_gib": self.peak_memory_bytes / GIB,
+            "memory/param_bytes": float(self.param_bytes),
+            "memory/grad_bytes": float(self.grad_bytes),
+            "memory/optim_bytes": float(self.optim_bytes),
+            "memory/activation_bytes": float(self.activation_bytes),
+        }
+        if self.mfu_pct is not None:
+            scalars["train/mfu_pct"] = self.mfu_pct
+        return out + [(k, v, 0) for k, v in scalars.items()]
+
+    def headline(self) -> str:
+        mfu = f", MFU {self.mfu_pct:.1f} %" if self.mfu_pct is not None else ""
+        return (
+            f"{self.strategy} x{self.world_size}: loss {self.losses[0]:.3f} -> {self.final_loss:.3f}, "
+            f"{self.samples_per_s:.1f} samples/s, efficiency {self.scaling_efficiency:.2f}{mfu}"
+        )
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """A hash of every parameter's bytes: equal across ranks iff the replicas agree exactly."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: TrainResult | None) -> TrainResult:
+    t = cfg.train
+    bench = workbench(cfg.model, cfg.data, cfg.seed)
+    model = apply_ddp(bench.model, bench.dev, cfg.strategy.bucket_cap_mb, cfg.strategy.find_unused_parameters)
+    peak_lr, lr_source = (t.lr, "train.lr") if t.lr is not None else (lr_find.scaled_lr, "lr_find.scaled_lr")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.warmup_steps, t.steps, t.schedule))
+    world = world_size()
+    batches = GlobalBatches(cfg.data.num_samples, t.micro_batch, t.grad_accum, rank(), world, cfg.seed)
+    memory = _first_step_memory(model, optimizer, bench, batches)
+    stats = train_loop(
+        model, optimizer, scheduler, loss_fn, bench.pool, batches, t.steps, t.grad_clip, t.log_every,
+        t.timing_warmup, bench.dev,
+        on_log=lambda step, loss: log("train", f"step {step}/{t.steps} loss {loss:.4f}"),
+    )
+    samples_per_s = stats.timed_steps * batches.global_batch / stats.timed_seconds
+    base = baseline.samples_per_s if baseline is not None else samples_per_s
+    peak = peak_flops(bench.dev, t.peak_flops)
+    per_device = samples_per_s / world
+    digests = gather_objects(parameter_digest(bench.model))
+    return TrainResult(
+        strategy=cfg.strategy.name,
+        world_size=world,
+        steps=t.steps,
+        final_loss=stats.losses[-1],
+        losses=stats.losses,
+        lrs=stats.lrs,
+        lr=peak_lr,
+        lr_source=lr_source,
+        global_batch=batches.global_batch,
+        micro_batch=t.micro_batch,
+        grad_accum=t.grad_accum,
+        samples_per_s=samples_per_s,
+        tokens_per_s=samples_per_s * tokens_per_sample(cfg.model),
+        samples_per_s_per_device=per_device,
+        tokens_per_s_per_device=per_device * tokens_per_sample(cfg.model),
+        step_time_s=stats.timed_seconds / stats.timed_steps,
+        baseline_samples_per_s=base,
+        scaling_efficiency=samples_per_s / (world * base),
+        peak_memory_bytes=memory.peak_bytes,
+        param_bytes=memory.param_bytes,
+        grad_bytes=memory.grad_bytes,
+        optim_bytes=memory.optim_bytes,
+        activation_bytes=memory.activation_bytes,
+        memory_source=memory.source,
+        flops_per_sample=plan.flops_per_sample,
+        mfu_pct=100 * plan.flops_per_sample * per_device / peak if peak else None,
+        device=str(bench.dev),
+        ranks_in_sync=len(set(digests)) == 1,
+    )
+
+
+def _first_step_memory(model, optimizer, bench, batches: GlobalBatches) -> StepMemory:
+    """Memory of one full step, measured on a scratch copy of the optimizer state so that the
+    run itself starts from step 0: the model is restored afterwards."""
+    saved_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    inputs, targets = bench.pool
+    rows = batches.rows(0, 0).to(bench.dev)
+
+    def step() -> None:
+        loss_fn(model, inputs[rows], targets[rows]).backward()
+        optimizer.step()
+
+    memory = measure_step(model, optimizer, step, bench.dev)
+    model.load_state_dict(saved_model)
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.state.clear()
+    return memory

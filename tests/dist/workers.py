@@ -1,0 +1,37 @@
+"""Worker functions that the distributed tests run on real ranks (importable by the workers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def ranks_sum(_inputs: object) -> dict:
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return {"sum": t.item(), "world": dist.get_world_size(), "pid": os.getpid()}
+
+
+def raise_on_rank1(_inputs: object) -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("planted failure on rank 1")
+    dist.barrier()
+
+
+def kill_rank1(_inputs: object) -> None:
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+
+
+def hang_rank1(_inputs: object) -> None:
+    """Rank 1 never joins the collective: rank 0 must fail on the collective timeout."""
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    t = torch.ones(1)
+    dist.all_reduce(t)

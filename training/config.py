@@ -1,0 +1,248 @@
+"""What the stages train and measure with: one frozen dataclass per config group.
+
+These are the schemas of the `model`, `data`, `strategy`, `train`, `lr_find`, `bandwidth`,
+`plan` and `env` config groups. Each field is documented by the docstring under it. Checks that
+need only the field itself live in `__post_init__` and raise `ConfigError`, which the engine
+turns into one sentence naming the full key (`train.steps=0: ...`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error: the key, the bad value and what is allowed."""
+
+    def __init__(self, key: str, value: object, allowed: str):
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"{key}={value!r}: {allowed}")
+
+    def prefixed(self, prefix: str) -> ConfigError:
+        """The same error with the key qualified by its parent (`steps` -> `train.steps`)."""
+        return ConfigError(f"{prefix}.{self.key}" if prefix else self.key, self.value, self.allowed)
+
+
+def _at_least(key: str, value: int | float | None, low: float, what: str = "an integer") -> None:
+    if value is not None and value < low:
+        raise ConfigError(key, value, f"must be {what} >= {low:g}")
+
+
+def _one_of(key: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ConfigError(key, value, f"must be one of {', '.join(options)}")
+
+
+MODEL_KINDS = ("gpt", "mlp")
+DATA_KINDS = ("markov", "text", "blobs")
+STRATEGIES = ("ddp",)
+SCHEDULES = ("cosine", "constant")
+SUGGESTION_RULES = ("steepest", "min_div_10")
+LR_SCALING_RULES = ("linear", "sqrt", "none")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "gpt-tiny"
+    """Preset name, recorded in tags and reports."""
+    kind: str = "gpt"
+    """`gpt` (decoder-only transformer on token data) or `mlp` (classifier on feature data)."""
+    vocab_size: int = 256
+    """GPT vocabulary size; must cover the data's tokens (256 for byte-level text)."""
+    seq_len: int = 64
+    """GPT context length in tokens."""
+    d_model: int = 64
+    """Width: the GPT's hidden size, or the MLP's hidden layer width."""
+    n_layers: int = 2
+    """Depth: transformer blocks, or hidden layers of the MLP."""
+    n_heads: int = 4
+    """GPT attention heads; must divide d_model."""
+    ffn_mult: int = 4
+    """GPT feed-forward width as a multiple of d_model."""
+
+    def __post_init__(self) -> None:
+        _one_of("kind", self.kind, MODEL_KINDS)
+        for key in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "ffn_mult"):
+            _at_least(key, getattr(self, key), 1)
+        if self.kind == "gpt" and self.d_model % self.n_heads:
+            raise ConfigError("n_heads", self.n_heads, f"must divide d_model={self.d_model}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: str = "markov"
+    """Preset name, recorded in tags and reports."""
+    kind: str = "markov"
+    """`markov`: seeded synthetic tokens from a sparse random Markov chain (learnable);
+    `text`: bytes of the Python standard library's own source files (real text, nothing downloaded);
+    `blobs`: seeded synthetic features in Gaussian clusters, for the MLP."""
+    num_samples: int = 4096
+    """Samples in the pool that training draws from (sequences or feature rows)."""
+    branching: int = 4
+    """markov: successors per token; the loss floor is about log(branching)."""
+    num_features: int = 32
+    """blobs: input features per sample."""
+    num_classes: int = 8
+    """blobs: classes (cluster centres)."""
+
+    def __post_init__(self) -> None:
+        _one_of("kind", self.kind, DATA_KINDS)
+        for key in ("num_samples", "branching", "num_features"):
+            _at_least(key, getattr(self, key), 1)
+        _at_least("num_classes", self.num_classes, 2)
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    name: str = "ddp"
+    """The parallelism: `ddp` replicates the model and all-reduces gradients."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB."""
+    find_unused_parameters: bool = False
+    """DDP: tolerate parameters that get no gradient (costs a graph traversal per step)."""
+
+    def __post_init__(self) -> None:
+        _one_of("name", self.name, STRATEGIES)
+        _at_least("bucket_cap_mb", self.bucket_cap_mb, 1e-3, "a number")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 40
+    """Optimizer steps of the scaled run (and of its 1-device baseline)."""
+    micro_batch: int = 8
+    """Samples per device per forward/backward (weak scaling: fixed per device)."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    lr: float | None = None
+    """Peak learning rate; null takes lr_find's scaled LR."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    schedule: str = "cosine"
+    """`cosine` (to 10 % of peak) or `constant`, both after linear warm-up."""
+    warmup_steps: int = 5
+    """Linear warm-up steps at the start of the schedule."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this; null disables."""
+    log_every: int = 10
+    """Steps between host syncs that read the loss (the hot loop never syncs otherwise)."""
+    timing_warmup: int = 3
+    """First steps excluded from throughput (allocator and cache warm-up)."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device for MFU; null uses the known datasheet value for the GPU, or
+    reports no MFU (CPUs have no reliable peak)."""
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "micro_batch", "grad_accum", "log_every"):
+            _at_least(key, getattr(self, key), 1)
+        for key in ("warmup_steps", "timing_warmup"):
+            _at_least(key, getattr(self, key), 0)
+        if self.lr is not None and self.lr <= 0:
+            raise ConfigError("lr", self.lr, "must be a number > 0, or null to use lr_find's LR")
+        _at_least("weight_decay", self.weight_decay, 0, "a number")
+        _one_of("schedule", self.schedule, SCHEDULES)
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ConfigError("grad_clip", self.grad_clip, "must be > 0, or null to disable")
+        if self.timing_warmup >= self.steps:
+            raise ConfigError("timing_warmup", self.timing_warmup, f"must be < steps={self.steps}")
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            raise ConfigError("peak_flops", self.peak_flops, "must be > 0, or null")
+
+
+@dataclass(frozen=True)
+class LrFindConfig:
+    min_lr: float = 1e-6
+    """First LR of the exponential ramp."""
+    max_lr: float = 1.0
+    """Last LR of the ramp."""
+    num_iters: int = 100
+    """Steps of the ramp (fewer if the loss diverges first)."""
+    batch: int | None = None
+    """Samples per finder step; null uses train.micro_batch."""
+    beta: float = 0.98
+    """EMA smoothing of the loss (bias-corrected)."""
+    diverge_threshold: float = 4.0
+    """Stop when the smoothed loss exceeds this multiple of the best seen."""
+    suggestion: str = "steepest"
+    """`steepest`: LR of the steepest descent of the smoothed loss against log-LR;
+    `min_div_10`: a tenth of the LR at the minimum smoothed loss."""
+    lr_scaling: str = "linear"
+    """Rule from the finder's batch to the run's global batch: `linear`, `sqrt` or `none`."""
+
+    def __post_init__(self) -> None:
+        if self.min_lr <= 0:
+            raise ConfigError("min_lr", self.min_lr, "must be > 0")
+        if self.max_lr <= self.min_lr:
+            raise ConfigError("max_lr", self.max_lr, f"must be > min_lr={self.min_lr}")
+        _at_least("num_iters", self.num_iters, 5)
+        _at_least("batch", self.batch, 1)
+        if not 0 <= self.beta < 1:
+            raise ConfigError("beta", self.beta, "must be in [0, 1)")
+        if self.diverge_threshold <= 1:
+            raise ConfigError("diverge_threshold", self.diverge_threshold, "must be > 1")
+        _one_of("suggestion", self.suggestion, SUGGESTION_RULES)
+        _one_of("lr_scaling", self.lr_scaling, LR_SCALING_RULES)
+
+
+@dataclass(frozen=True)
+class BandwidthConfig:
+    collectives: list[str] = field(default_factory=lambda: list(COLLECTIVES))
+    """Collectives to probe, nccl-tests style."""
+    min_bytes: int = 8
+    """Smallest message size in bytes."""
+    max_bytes: int = 64 * 1024 * 1024
+    """Largest message size in bytes; the verdict is taken here."""
+    factor: int = 4
+    """Each size is the previous one times this."""
+    warmup_iters: int = 5
+    """Untimed iterations per size (nccl-tests: 5)."""
+    iters: int = 20
+    """Timed iterations per size (nccl-tests: 20)."""
+    ruler_gbps: float = 20.0
+    """The bandwidth ruler: all_reduce busbw at the largest size below this keeps data parallelism
+    within a few devices."""
+
+    def __post_init__(self) -> None:
+        if not self.collectives:
+            raise ConfigError("collectives", self.collectives, f"must name at least one of {', '.join(COLLECTIVES)}")
+        for name in self.collectives:
+            _one_of("collectives", name, COLLECTIVES)
+        _at_least("min_bytes", self.min_bytes, 4)
+        if self.max_bytes < self.min_bytes:
+            raise ConfigError("max_bytes", self.max_bytes, f"must be >= min_bytes={self.min_bytes}")
+        if self.max_bytes > 16 * 1024**3:
+            raise ConfigError("max_bytes", self.max_bytes, "must be <= 16 GiB")
+        _at_least("factor", self.factor, 2)
+        _at_least("warmup_iters", self.warmup_iters, 0)
+        _at_least("iters", self.iters, 1)
+        if self.ruler_gbps <= 0:
+            raise ConfigError("ruler_gbps", self.ruler_gbps, "must be > 0")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    memory_fraction: float = 0.7
+    """The memory ruler: a strategy fits when its peak is below this fraction of device memory."""
+    device_memory_bytes: int | None = None
+    """Memory of one device; null measures it (CUDA: total device memory; CPU: host memory
+    divided by the ranks per node)."""
+    max_dp_low_bandwidth: int = 8
+    """With busbw below the ruler, keep data parallelism within this many devices."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.memory_fraction <= 1:
+            raise ConfigError("memory_fraction", self.memory_fraction, "must be in (0, 1]")
+        _at_least("device_memory_bytes", self.device_memory_bytes, 1)
+        _at_least("max_dp_low_bandwidth", self.max_dp_low_bandwidth, 1)
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    require_cuda: bool = False
+    """Fail when a rank has no CUDA device."""
+    min_free_device_memory_gib: float = 0.0
+    """Fail when a rank's GPU has less free memory than this."""
+
+    def __post_init__(self) -> None:
+        _at_least("min_free_device_memory_gib", self.min_free_device_memory_gib, 0, "a number")

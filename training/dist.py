@@ -1,0 +1,68 @@
+"""Small helpers over torch.distributed that also work without a process group (world of 1)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_dist() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_dist() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def node_rank() -> int:
+    """The node (host, or emulated node of launcher=local) this rank belongs to."""
+    for var in ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def device() -> torch.device:
+    """This rank's device: its CUDA device when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backend() -> str:
+    return dist.get_backend() if is_dist() else "none"
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not is_dist():
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """Mean over ranks (a copy); identity without a process group."""
+    if not is_dist():
+        return tensor
+    out = tensor.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out / world_size()
+
+
+def synchronize(dev: torch.device) -> None:
+    """Wait for queued device work, so that host timers measure it."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)

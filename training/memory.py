@@ -1,0 +1,103 @@
+"""Memory measured from the tensors themselves (CPU) or the CUDA allocator (GPU).
+
+On CPU there is no allocator high-water mark per device, so the peak of a training step is
+counted: parameters + gradients + optimizer state + the activations autograd saved for backward
+(captured with saved-tensor hooks, de-duplicated by storage). It is an upper bound of the live
+set, since gradients grow while activations are freed; on CUDA `max_memory_allocated` is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+    activation_bytes: int
+    peak_bytes: int
+    source: str
+    """`cuda_allocator` or `tensor_count`."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # Sharded (DTensor) parameters count only the shard this rank holds.
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes held by this rank."""
+    params = list(model.parameters())
+    param_bytes = sum(tensor_bytes(p) for p in params)
+    grad_bytes = sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
+    optim_bytes = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            optim_bytes += sum(tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return param_bytes, grad_bytes, optim_bytes
+
+
+class SavedActivations:
+    """Counts the bytes autograd saves for backward, excluding the parameters themselves."""
+
+    def __init__(self, model: nn.Module):
+        self._param_ptrs = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        self._seen: dict[int, int] = {}
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self._param_ptrs:
+            self._seen[ptr] = storage.nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._seen.values())
+
+    def __enter__(self) -> SavedActivations:
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)
+
+
+def measure_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: Callable[[], None],
+    dev: torch.device,
+) -> StepMemory:
+    """Run `step` (one forward, backward and optimizer step) and measure its memory."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    with SavedActivations(model) as saved:
+        step()
+    params, grads, optim = state_bytes(model, optimizer)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        return StepMemory(params, grads, optim, saved.bytes, torch.cuda.max_memory_allocated(dev), "cuda_allocator")
+    return StepMemory(params, grads, optim, saved.bytes, params + grads + optim + saved.bytes, "tensor_count")
+
+
+def device_memory_bytes(dev: torch.device, ranks_per_host: int) -> int:
+    """Memory one rank may use: the GPU's total, or this host's RAM shared by its ranks."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).total_memory
+    with open("/proc/meminfo") as f:
+        total_kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+    return total_kib * 1024 // max(ranks_per_host, 1)

@@ -1,0 +1,21 @@
+"""A plain MLP classifier: the second model family, for feature data."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, in_features: int, hidden: int, depth: int, num_classes: int):
+        super().__init__()
+        dims = [in_features, *([hidden] * depth)]
+        self.layers = nn.ModuleDict(
+            {str(i): nn.Sequential(nn.Linear(a, b), nn.ReLU()) for i, (a, b) in enumerate(zip(dims, dims[1:], strict=False))}
+        )
+        self.output = nn.Linear(dims[-1], num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.output(x)

@@ -1,0 +1,1 @@
+"""One model-agnostic `apply_<technique>` function per parallelism technique."""
