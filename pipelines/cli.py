@@ -49,6 +49,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], bool, bool]:
             multirun = True
         elif arg in INFO_FLAGS or arg.split("=")[0] in INFO_FLAGS:
             info = True
+            skip = arg in ("--cfg", "-c")
         elif arg in FLAGS_WITH_VALUE:
             skip = True
         elif not arg.startswith("-"):

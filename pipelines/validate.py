@@ -8,7 +8,7 @@ value, what is allowed.
 from __future__ import annotations
 
 import dataclasses
-import os
+import tempfile
 from pathlib import Path
 
 from pipelines.schema import Config
@@ -89,5 +89,11 @@ def _check_stage_names(cfg: Config) -> None:
 def _check_outputs(cfg: Config) -> None:
     path = Path(cfg.cache_dir).resolve()
     existing = next(p for p in [path, *path.parents] if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError("cache_dir", cfg.cache_dir, f"must be a writable directory ({existing} is not writable)")
+    try:
+        if not existing.is_dir():
+            raise OSError(f"{existing} is not a directory")
+        # A real write, not os.access: root passes access checks on read-only filesystems.
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise ConfigError("cache_dir", cfg.cache_dir, f"must be a writable directory ({err})") from None

@@ -7,6 +7,7 @@ failed stage kills exactly the processes it started, children included, and none
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
@@ -70,7 +71,7 @@ class LocalLauncher:
     def run(self, task: Task, world: WorldSpec) -> Any:
         workdir = Path(task.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
-        for stale in [workdir / RESULT_FILE, *workdir.glob("error-rank*.txt")]:
+        for stale in [workdir / RESULT_FILE, *workdir.glob("error-rank*.json")]:
             stale.unlink(missing_ok=True)
         task_file = workdir / "task.pkl"
         task_file.write_bytes(pickle.dumps(task))
@@ -108,7 +109,9 @@ class LocalLauncher:
                 deadline = time.monotonic() + self.cfg.grace_s
                 while time.monotonic() < deadline and any(p.poll() is None for p in procs):
                     time.sleep(POLL_S)
-                raise StageFailed(_describe_failure(procs, workdir, first=failed))
+                hung = [r for r, p in enumerate(procs) if p.poll() is None]
+                note = f"; still running after {self.cfg.grace_s:g} s and killed: ranks {hung}" if hung else ""
+                raise StageFailed(_describe_failure(procs, workdir) + note)
             if all(c == 0 for c in codes):
                 return
             time.sleep(POLL_S)
@@ -117,20 +120,27 @@ class LocalLauncher:
         pass
 
 
-def _describe_failure(procs: list[subprocess.Popen], workdir: Path, first: list[int]) -> str:
-    """Describe the rank that failed first: its error's last line, or how it died."""
-    ranks = [*first, *(r for r in range(len(procs)) if r not in first)]
-    for rank in ranks:
-        code = procs[rank].returncode
-        error = workdir / ERROR_FILE.format(rank=rank)
-        if error.exists():
-            lines = error.read_text().strip().splitlines()
-            return f"rank {rank} failed: {lines[-1] if lines else 'no message'} (logs: {workdir})"
+def _describe_failure(procs: list[subprocess.Popen], workdir: Path) -> str:
+    """Name the root cause: a rank that died without reporting (killed, or exited silently)
+    comes first, since the others' errors are then only its echo ("Connection reset by peer");
+    otherwise the rank whose exception came first."""
+    for rank, proc in enumerate(procs):
+        code = proc.returncode
+        if (workdir / ERROR_FILE.format(rank=rank)).exists():
+            continue
         if code is not None and code < 0:
             return f"rank {rank} was killed by {signal.Signals(-code).name} (logs: {workdir})"
         if code not in (None, 0):
             return f"rank {rank} exited with code {code} without an error report (logs: {workdir})"
-    return f"a rank failed without an error report (logs: {workdir})"
+    reports = []
+    for rank in range(len(procs)):
+        path = workdir / ERROR_FILE.format(rank=rank)
+        if path.exists():
+            reports.append((json.loads(path.read_text()), rank))
+    if not reports:
+        return f"a rank failed without an error report (logs: {workdir})"
+    report, rank = min(reports, key=lambda item: item[0]["time"])
+    return f"rank {rank} failed: {report['type']}: {report['message']} (logs: {workdir})"
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:

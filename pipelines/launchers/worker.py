@@ -5,15 +5,17 @@
 It reads its place in the world from torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT), initialises torch.distributed with a collective timeout, calls the
 stage function, and leaves rank 0's result next to the task file. Any exception is written to
-`error-rank<R>.txt` (its last line is the message the driver reports) and exits non-zero.
+`error-rank<R>.json` (type, message, traceback; the driver reports the message) and exits non-zero.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import pickle
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from typing import Any
 from pipelines.launchers.base import Task
 
 RESULT_FILE = "result.pkl"
-ERROR_FILE = "error-rank{rank}.txt"
+ERROR_FILE = "error-rank{rank}.json"
 BACKEND_ENV = "SCALESTUDY_BACKEND"
 TIMEOUT_ENV = "SCALESTUDY_TIMEOUT_S"
 DISTRIBUTED_ENV = "SCALESTUDY_DISTRIBUTED"
@@ -89,8 +91,8 @@ def main(task_file: str) -> int:
     except BaseException as err:  # noqa: BLE001 - every failure must reach the driver
         text = traceback.format_exc()
         sys.stderr.write(text)
-        message = f"{type(err).__name__}: {err}".strip()
-        write_atomic(task_path.parent / ERROR_FILE.format(rank=rank), f"{text}\n{message}\n".encode())
+        report = {"type": type(err).__name__, "message": str(err).strip(), "traceback": text, "time": time.time()}
+        write_atomic(task_path.parent / ERROR_FILE.format(rank=rank), json.dumps(report).encode())
         return 1
 
 

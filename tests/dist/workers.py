@@ -35,3 +35,14 @@ def hang_rank1(_inputs: object) -> None:
         time.sleep(3600)
     t = torch.ones(1)
     dist.all_reduce(t)
+
+
+def train_ddp(inputs: object) -> object:
+    """The real train stage, with the two upstream results it reads stubbed by plain values."""
+    from types import SimpleNamespace
+
+    from stages.train import run
+
+    plan = SimpleNamespace(flops_per_sample=1.0)
+    lr_find = SimpleNamespace(scaled_lr=1e-2)
+    return run(inputs, plan=plan, lr_find=lr_find, baseline=None)

@@ -1,0 +1,122 @@
+"""bandwidth: measure the interconnect the way nccl-tests does, and hold it against the ruler.
+
+Runs on every rank of the target world. Each configured collective is timed over geometric
+message sizes (training.collectives); the all_reduce bus bandwidth at the largest size is the
+number the plan compares with `bandwidth.ruler_gbps`. A world of one rank has no links, so it
+reports nothing rather than a made-up number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stages.common import log
+from training.collectives import Measurement, message_sizes, probe
+from training.config import BandwidthConfig
+from training.dist import backend, is_main, world_size
+
+SKIPPED_WORLD_1 = "world size 1: no links to measure"
+VERDICT_COLLECTIVE = "all_reduce"
+"""Data parallelism's gradient collective: the one the ruler judges."""
+
+
+@dataclass(frozen=True)
+class BandwidthInputs:
+    bandwidth: BandwidthConfig
+
+
+@dataclass(frozen=True)
+class BandwidthResult:
+    world_size: int
+    backend: str
+    """The process group's backend (`gloo`, `nccl`), or `none` without one."""
+    results: list[Measurement]
+    """Every collective at every size, in probe order."""
+    verdict: str
+    """The all_reduce busbw at the largest size against the ruler, in words."""
+    ruler_gbps: float
+    largest_all_reduce_busbw_gbps: float | None
+    """None when all_reduce was not measured."""
+    skipped_reason: str | None
+    """Why nothing was measured; None when the probe ran."""
+
+    def metrics(self) -> list[tuple[str, float, int]]:
+        """MLflow (key, value, step): each measurement at step = its bytes, and each collective's
+        busbw at its largest size at step 0."""
+        out: list[tuple[str, float, int]] = [("comm/world_size", float(self.world_size), 0)]
+        for m in self.results:
+            out += [
+                (f"comm/{m.collective}/busbw_gbps", m.busbw_gbps, m.bytes),
+                (f"comm/{m.collective}/algbw_gbps", m.algbw_gbps, m.bytes),
+                (f"comm/{m.collective}/time_us", m.time_us, m.bytes),
+            ]
+        for name in dict.fromkeys(m.collective for m in self.results):
+            top = largest(self.results, name)
+            assert top is not None
+            out.append((f"comm/{name}/busbw_gbps_largest", top.busbw_gbps, 0))
+        return out
+
+    def headline(self) -> str:
+        """One short line for the closing table."""
+        if self.skipped_reason is not None:
+            return f"not measured: {self.skipped_reason}"
+        top = largest(self.results, VERDICT_COLLECTIVE)
+        if top is None:
+            return f"{len(self.results)} measurements, world {self.world_size}; no all_reduce, no verdict"
+        side = "below" if top.busbw_gbps < self.ruler_gbps else "at or above"
+        return (f"all_reduce busbw {top.busbw_gbps:.2f} GB/s at {human_bytes(top.bytes)}, "
+                f"world {self.world_size}: {side} the {self.ruler_gbps:g} GB/s ruler")
+
+
+def verdict(busbw_gbps: float | None, ruler_gbps: float) -> str:
+    """The ruler's judgement of the all_reduce busbw at the largest size, in words."""
+    if busbw_gbps is None:
+        return "not measured: no all_reduce busbw to hold against the ruler"
+    if busbw_gbps >= ruler_gbps:
+        return f"ok: {busbw_gbps:.2f} GB/s >= {ruler_gbps:g} GB/s ruler"
+    return (f"below ruler: {busbw_gbps:.2f} GB/s < {ruler_gbps:g} GB/s: "
+            "keep data parallelism within a few devices")
+
+
+def largest(results: list[Measurement], collective: str) -> Measurement | None:
+    """`collective`'s measurement at its largest size, or None when it was not measured."""
+    rows = [m for m in results if m.collective == collective]
+    return max(rows, key=lambda m: m.bytes) if rows else None
+
+
+def human_bytes(n: int) -> str:
+    """`67108864` -> `64 MiB`, `1536` -> `1.5 KiB`."""
+    value, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.4g} {unit}"
+
+
+def run(cfg: BandwidthInputs) -> BandwidthResult:
+    """Probe the collectives on every rank; every rank returns the same result."""
+    bw = cfg.bandwidth
+    world = world_size()
+    if world == 1:
+        return _result(bw, world, [], SKIPPED_WORLD_1)
+    sizes = message_sizes(bw.min_bytes, bw.max_bytes, bw.factor)
+    if is_main():
+        log("bandwidth", f"world {world} ({backend()}), {len(sizes)} sizes "
+                         f"{human_bytes(sizes[0])}..{human_bytes(sizes[-1])}, {', '.join(bw.collectives)}")
+    progress = (lambda line: log("bandwidth", line)) if is_main() else None
+    return _result(bw, world, probe(bw.collectives, sizes, bw.warmup_iters, bw.iters, progress), None)
+
+
+def _result(bw: BandwidthConfig, world: int, results: list[Measurement], skipped: str | None) -> BandwidthResult:
+    top = largest(results, VERDICT_COLLECTIVE)
+    busbw = top.busbw_gbps if top is not None else None
+    return BandwidthResult(
+        world_size=world,
+        backend=backend(),
+        results=results,
+        verdict=f"not measured: {skipped}" if skipped else verdict(busbw, bw.ruler_gbps),
+        ruler_gbps=bw.ruler_gbps,
+        largest_all_reduce_busbw_gbps=busbw,
+        skipped_reason=skipped,
+    )

@@ -1,0 +1,51 @@
+"""The local launcher on real gloo ranks: results, failures, dead and hung ranks, no orphans."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from pipelines.launchers.base import StageFailed
+from tests.helpers import run_world
+
+W = "tests.dist.workers"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_rank0_result_comes_back():
+    result = run_world(f"{W}:ranks_sum", world=2)
+    assert result["sum"] == 3.0 and result["world"] == 2
+    assert not _alive(result["pid"]), "the worker process outlived its stage"
+
+
+def test_an_exception_names_the_rank_and_its_message(tmp_path):
+    with pytest.raises(StageFailed, match=r"rank 1 failed: ValueError: planted failure on rank 1"):
+        run_world(f"{W}:raise_on_rank1", world=2, workdir=tmp_path)
+    assert "Traceback" in (tmp_path / "rank1.log").read_text()
+
+
+def test_a_killed_rank_is_an_error_not_a_hang(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(StageFailed, match="rank 1 was killed by SIGKILL"):
+        run_world(f"{W}:kill_rank1", world=2, workdir=tmp_path, timeout_s=30, grace_s=2)
+    assert time.monotonic() - start < 25
+
+
+@pytest.mark.slow
+def test_a_hung_rank_fails_on_the_collective_timeout(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(StageFailed, match=r"rank 0 failed.*killed: ranks \[1\]"):
+        run_world(f"{W}:hang_rank1", world=2, workdir=tmp_path, timeout_s=4, grace_s=1)
+    elapsed = time.monotonic() - start
+    assert elapsed < 4 + 1 + 15, f"took {elapsed:.1f} s"
+    for line in (tmp_path / "rank1.log").read_text().splitlines():
+        assert "Traceback" not in line

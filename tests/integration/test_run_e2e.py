@@ -1,0 +1,131 @@
+"""`python run.py` end to end in a subprocess, as a user runs it: the six stages, the cache,
+summary.json, MLflow's parent and nested runs, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = ["env", "bandwidth", "lr_find", "plan", "train", "report"]
+SMOKE = ["experiment=smoke"]
+
+
+def run_cli(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def summary_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """One smoke run then an identical second run, in a fresh working directory."""
+    cwd = tmp_path_factory.mktemp("e2e")
+    first = run_cli(cwd, *SMOKE, "hydra.run.dir=runs/first")
+    second = run_cli(cwd, *SMOKE, "hydra.run.dir=runs/second")
+    return cwd, first, second
+
+
+@pytest.mark.slow
+def test_first_run_runs_every_stage(workspace):
+    cwd, first, _ = workspace
+    assert first.returncode == 0, first.stdout + first.stderr
+    summary = summary_of(cwd / "runs/first")
+    assert list(summary["stages"]) == STAGES
+    assert {n: s["status"] for n, s in summary["stages"].items()} == dict.fromkeys(STAGES, "ran")
+    assert f"summary: {cwd / 'runs/first/summary.json'}" in first.stdout
+    stage = summary["stages"]
+    assert stage["env"]["result"]["world_size"] == 2 and stage["env"]["result"]["consistent"]
+    assert {"world_size", "ranks", "consistent"} <= set(stage["env"]["result"])
+    for m in stage["bandwidth"]["result"]["results"]:
+        assert set(m) == {"collective", "bytes", "time_us", "algbw_gbps", "busbw_gbps"} and m["busbw_gbps"] > 0
+    assert stage["bandwidth"]["result"]["verdict"]
+    assert {"suggested_lr", "scaled_lr", "rule", "curve"} <= set(stage["lr_find"]["result"])
+    assert {"recommended_strategy", "reasons", "peak_memory_bytes", "flops_per_sample"} <= set(stage["plan"]["result"])
+    train = stage["train"]["result"]
+    keys = {"strategy", "world_size", "steps", "final_loss", "losses", "samples_per_s", "baseline_samples_per_s",
+            "scaling_efficiency"}
+    assert keys <= set(train)
+    assert train["world_size"] == 2 and len(train["losses"]) == train["steps"] == 8
+    assert train["scaling_efficiency"] == pytest.approx(
+        train["samples_per_s"] / (2 * train["baseline_samples_per_s"])
+    )
+    assert stage["train"]["baseline"]["status"] == "ran"
+    for name in ("report.md", "lr_find.png", "busbw.png", "loss.png"):
+        assert (cwd / "runs/first/report" / name).stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_second_identical_run_is_all_cached(workspace):
+    cwd, first, second = workspace
+    assert second.returncode == 0, second.stdout + second.stderr
+    summary = summary_of(cwd / "runs/second")
+    assert {n: s["status"] for n, s in summary["stages"].items()} == dict.fromkeys(STAGES, "cached")
+    assert summary["stages"]["train"]["baseline"]["status"] == "cached"
+    assert summary["stages"]["train"]["result"] == summary_of(cwd / "runs/first")["stages"]["train"]["result"]
+
+
+@pytest.mark.slow
+def test_mlflow_holds_a_parent_and_six_nested_runs_per_invocation(workspace):
+    from mlflow.tracking import MlflowClient
+
+    cwd, _, _ = workspace
+    client = MlflowClient(tracking_uri=f"sqlite:///{cwd}/outputs/mlflow.db")
+    experiment = client.get_experiment_by_name("scalestudy")
+    runs = client.search_runs([experiment.experiment_id], max_results=100)
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 2
+    for parent in parents:
+        assert parent.data.tags["strategy"] == "ddp" and parent.data.tags["world_size"] == "2"
+        assert parent.data.params["train.steps"] == "8"
+        children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+        assert sorted(c.data.tags["stage"] for c in children) == sorted(STAGES)
+        train = next(c for c in children if c.data.tags["stage"] == "train")
+        history = client.get_metric_history(train.info.run_id, "train/loss")
+        assert [m.step for m in history] == list(range(1, 9)), "every step once"
+        assert "train/scaling_efficiency" in parent.data.metrics
+    summary = summary_of(cwd / "runs/second")
+    second = client.get_run(summary["mlflow_run_id"])
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == second.info.run_id]
+    assert {c.data.tags["cached"] for c in children} == {"true"}
+    assert all(c.data.metrics for c in children if c.data.tags["stage"] != "report")
+
+
+def test_bad_override_is_one_line_and_writes_nothing(tmp_path):
+    result = run_cli(tmp_path, "nodes=0")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["error: nodes=0: must be an integer >= 1"]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (tmp_path / "outputs").exists(), "nothing launched, nothing written"
+
+
+def test_unknown_option_lists_the_valid_ones(tmp_path):
+    result = run_cli(tmp_path, "strategy=zero9")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: strategy=zero9: no such option; available: ddp"
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_each_point_and_world_one_measures_no_bandwidth(tmp_path):
+    result = run_cli(tmp_path, "-m", *SMOKE, "nodes=1,2", "tracking=none", timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summaries = sorted((tmp_path / "outputs/multirun").rglob("summary.json"))
+    assert len(summaries) == 2
+    by_world = {}
+    for path in summaries:
+        data = json.loads(path.read_text())
+        by_world[data["stages"]["train"]["result"]["world_size"]] = data
+    one = by_world[1]["stages"]
+    assert one["bandwidth"]["result"]["results"] == []
+    assert "world size 1" in one["bandwidth"]["result"]["skipped_reason"]
+    assert one["train"]["result"]["scaling_efficiency"] == 1.0
+    assert "baseline" not in one["train"], "a world of one is its own baseline"

@@ -1,0 +1,80 @@
+"""The schema and the cross-field checks: every bad override is one sentence, key and value."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelines.cli import UserError, precheck, split_argv, sweep_points
+from training.config import ConfigError
+
+
+def test_defaults_compose_to_the_documented_run(compose_cfg):
+    cfg = compose_cfg()
+    assert (cfg.nodes, cfg.procs_per_node) == (2, 1)
+    assert cfg.strategy.name == "ddp" and cfg.launcher.name == "local"
+    assert cfg.tracking.uri == "sqlite:///outputs/mlflow.db"
+    assert list(cfg.pipeline.stages) == ["env", "bandwidth", "lr_find", "plan", "train", "report"]
+
+
+def test_card_form_and_groups(compose_cfg):
+    cfg = compose_cfg("strategy=ddp", "nodes=4", "model=mlp", "data=blobs", "tracking=none")
+    assert cfg.nodes * cfg.procs_per_node == 4
+    assert cfg.model.kind == "mlp" and cfg.tracking.name == "none"
+
+
+def test_procs_per_node_defaults_to_the_gpus(compose_cfg):
+    assert compose_cfg("nodes=1", gpus=4).procs_per_node == 4
+
+
+BAD = [
+    (["strategy=zero9"], "strategy=zero9: no such option; available: ddp"),
+    (["model=huge"], "model=huge: no such option"),
+    (["nodes=abc"], "nodes=abc"),
+    (["nodes=0"], "nodes=0: must be an integer >= 1"),
+    (["procs_per_node=-1"], "procs_per_node=-1"),
+    (["+foo=1"], "foo=1: unknown key"),
+    (["foo=1"], "foo"),
+    (["train.steps=0"], "train.steps=0: must be an integer >= 1"),
+    (["train.lr=-0.1"], "train.lr=-0.1: must be a number > 0"),
+    (["train.micro_batch=0"], "train.micro_batch=0"),
+    (["train.schedule=linear"], "train.schedule='linear': must be one of cosine, constant"),
+    (["model=mlp"], "model=mlp (mlp) needs feature data"),
+    (["model.n_heads=3"], "model.n_heads=3: must divide d_model=64"),
+    (["data=text", "model.vocab_size=100"], "model.vocab_size=100: data=text is byte-level"),
+    (["bandwidth.max_bytes=4", "bandwidth.min_bytes=8"], "bandwidth.max_bytes=4: must be >= min_bytes=8"),
+    (["bandwidth.collectives=[all_reduce,gossip]"], "bandwidth.collectives='gossip'"),
+    (["lr_find.max_lr=1e-9"], "lr_find.max_lr=1e-09: must be > min_lr"),
+    (["lr_find.suggestion=magic"], "lr_find.suggestion='magic'"),
+    (["data.num_samples=4"], "data.num_samples=4: must hold at least one global batch"),
+    (["only=[nope]"], "only='nope': is not a stage of pipeline=full"),
+    (["force=[train,nope]"], "force='nope'"),
+    (["launcher.backend=nccl"], "launcher.backend='nccl': needs CUDA GPUs"),
+    (["launcher.timeout_s=-5"], "launcher.timeout_s=-5.0"),
+    (["tracking.experiment="], "tracking.experiment"),
+    (["cache_dir=/proc/nope/cache"], "cache_dir='/proc/nope/cache': must be a writable directory"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_override_is_one_clear_line(overrides, expected):
+    with pytest.raises(UserError) as info:
+        precheck(overrides)
+    message = str(info.value)
+    assert expected in message
+    assert "\n" not in message and "Traceback" not in message
+
+
+def test_every_sweep_point_is_checked_before_any_runs():
+    with pytest.raises(UserError, match="nodes=abc"):
+        precheck(["-m", "nodes=1,abc"])
+    assert sweep_points(["nodes=1,2", "strategy=ddp"]) == [["nodes=1", "strategy=ddp"], ["nodes=2", "strategy=ddp"]]
+
+
+def test_hydra_flags_are_not_overrides():
+    overrides, multirun, info = split_argv(["-m", "--config-name", "config", "nodes=1,2", "--cfg", "job"])
+    assert overrides == ["nodes=1,2"] and multirun and info
+
+
+def test_config_error_names_the_full_key():
+    err = ConfigError("steps", 0, "must be an integer >= 1").prefixed("train")
+    assert str(err) == "train.steps=0: must be an integer >= 1"

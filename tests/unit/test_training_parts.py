@@ -1,0 +1,85 @@
+"""Data dealing, data sources, models, schedule, memory and FLOP counting; no processes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from training.config import DataConfig, ModelConfig
+from training.data import GlobalBatches, make_pool, python_text_files
+from training.flops import flops_per_sample
+from training.loop import lr_lambda
+from training.memory import SavedActivations, state_bytes
+from training.models import build_model, loss_fn
+
+
+def _rows(micro: int, accum: int, world: int, step: int) -> list[torch.Tensor]:
+    deal = [GlobalBatches(100, micro, accum, r, world, seed=3) for r in range(world)]
+    return [d.rows(step, a) for d in deal for a in range(accum)]
+
+
+@pytest.mark.parametrize(("micro", "accum", "world"), [(8, 1, 1), (4, 1, 2), (2, 2, 2), (1, 2, 4)])
+def test_global_batch_is_the_same_rows_whatever_the_split(micro, accum, world):
+    for step in (0, 1, 12):  # step 12 straddles an epoch boundary of the 100-row pool
+        rows = torch.cat(_rows(micro, accum, world, step))
+        if step < 12:  # within an epoch no row repeats; across the boundary one may
+            assert len(set(rows.tolist())) == len(rows) == 8, "ranks and micro-batches are disjoint"
+        assert sorted(rows.tolist()) == sorted(torch.cat(_rows(8, 1, 1, step)).tolist())
+
+
+def test_pools_are_seeded_and_shaped():
+    model = ModelConfig(seq_len=16, vocab_size=64)
+    for data in (DataConfig(kind="markov", num_samples=32), DataConfig(kind="text", num_samples=32)):
+        x, y = make_pool(data, model, seed=1)
+        assert x.shape == y.shape == (32, 16)
+        assert torch.equal(x[:, 1:], y[:, :-1]), "targets are the inputs shifted by one"
+        assert torch.equal(x, make_pool(data, model, seed=1)[0])
+    x, y = make_pool(DataConfig(kind="blobs", num_samples=50, num_features=5, num_classes=3), model, seed=1)
+    assert x.shape == (50, 5) and int(y.max()) < 3
+
+
+def test_text_is_pythons_own_source():
+    x, _ = make_pool(DataConfig(kind="text", num_samples=4), ModelConfig(seq_len=32), seed=0)
+    first = python_text_files()[0].read_bytes()[:32]
+    assert bytes(x[0].tolist()) == first
+
+
+def test_markov_tokens_have_few_successors():
+    x, y = make_pool(DataConfig(kind="markov", num_samples=256, branching=3), ModelConfig(seq_len=32, vocab_size=16), 0)
+    successors = {}
+    for a, b in zip(x.flatten().tolist(), y.flatten().tolist(), strict=True):
+        successors.setdefault(a, set()).add(b)
+    assert max(len(s) for s in successors.values()) <= 3
+
+
+def test_gpt_starts_near_uniform_loss():
+    model_cfg = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+    model = build_model(model_cfg, DataConfig(), seed=0)
+    x, y = make_pool(DataConfig(num_samples=8), model_cfg, seed=0)
+    assert model(x).shape == (8, 16, 64)
+    assert loss_fn(model, x, y).item() == pytest.approx(math.log(64), rel=0.05)
+
+
+def test_schedule_warms_up_then_decays_to_a_tenth():
+    f = lr_lambda(warmup_steps=4, total_steps=20, schedule="cosine")
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == pytest.approx(1.0) and f(20) == pytest.approx(0.1)
+    assert lr_lambda(2, 20, "constant")(10) == 1.0
+
+
+def test_memory_and_flops_are_counted_from_the_model():
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.ReLU(), torch.nn.Linear(20, 3))
+    x, y = torch.randn(4, 10), torch.randint(3, (4,))
+    opt = torch.optim.Adam(model.parameters())
+    with SavedActivations(model) as saved:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    params, grads, optim = state_bytes(model, opt)
+    n = sum(p.numel() for p in model.parameters())
+    assert params == grads == 4 * n and optim >= 8 * n
+    assert saved.bytes >= 4 * 4 * 20, "at least the hidden activations are saved"
+    flops = flops_per_sample(model, lambda m, a, b: torch.nn.functional.cross_entropy(m(a), b), x, y)
+    # fwd 2N + bwd 4N per weight, except the first layer, which needs no gradient of its input.
+    assert flops == 4 * 10 * 20 + 6 * 20 * 3
