@@ -93,7 +93,11 @@ class PlanResult:
         return out
 
     def headline(self) -> str:
-        return f"{self.recommended_strategy}: " + "; ".join(reason.split(":")[0] for reason in self.reasons)
+        r = self.rulers
+        busbw = f"{r.busbw_gbps:.2f} GB/s" if r.busbw_gbps is not None else "not measured"
+        ratio = f", comm/compute {self.comm_to_compute:.2f}" if self.comm_to_compute is not None else ""
+        return (f"{self.recommended_strategy}: peak {self.peak_memory_bytes / GIB:.3f} GiB per device, "
+                f"busbw {busbw}{ratio}")
 
 
 def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:

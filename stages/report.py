@@ -37,7 +37,9 @@ def _plot_lr(lr: LrFindResult, path: Path) -> None:
     ax.plot([p.lr for p in lr.curve], [p.smoothed for p in lr.curve], label="smoothed")
     ax.axvline(lr.suggested_lr, color="C2", ls="--", label=f"suggested {lr.suggested_lr:.1e} ({lr.rule})")
     ax.axvline(lr.scaled_lr, color="C3", ls=":", label=f"scaled {lr.scaled_lr:.1e} ({lr.lr_scaling})")
-    ax.set(xscale="log", xlabel="learning rate", ylabel="loss", title="LR range test")
+    # The divergent tail would squash the informative part of the curve: cap the axis above the start.
+    top = 1.3 * max(lr.curve[0].smoothed, min(p.loss for p in lr.curve))
+    ax.set(xscale="log", xlabel="learning rate", ylabel="loss", title="LR range test", ylim=(None, top))
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

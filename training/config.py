@@ -109,7 +109,7 @@ class StrategyConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 40
+    steps: int = 100
     """Optimizer steps of the scaled run (and of its 1-device baseline)."""
     micro_batch: int = 8
     """Samples per device per forward/backward (weak scaling: fixed per device)."""
@@ -152,7 +152,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class LrFindConfig:
-    min_lr: float = 1e-6
+    min_lr: float = 1e-5
     """First LR of the exponential ramp."""
     max_lr: float = 1.0
     """Last LR of the ramp."""
@@ -160,8 +160,9 @@ class LrFindConfig:
     """Steps of the ramp (fewer if the loss diverges first)."""
     batch: int | None = None
     """Samples per finder step; null uses train.micro_batch."""
-    beta: float = 0.98
-    """EMA smoothing of the loss (bias-corrected)."""
+    beta: float = 0.9
+    """EMA smoothing of the loss (bias-corrected). Its lag is ~1/(1-beta) iterations: 0.98 over a
+    100-step ramp would trail the real curve by half the LR range and push the suggestion late."""
     diverge_threshold: float = 4.0
     """Stop when the smoothed loss exceeds this multiple of the best seen."""
     suggestion: str = "steepest"
