@@ -101,6 +101,11 @@ class Cache:
         metrics = [(k, float(v), int(s)) for k, v, s in data["metrics"]]
         return Entry(key, result, metrics, float(data["seconds"]), path / "artifacts")
 
+    def checkpoints(self, stage: str, key: str) -> Path:
+        """Where a run of this key keeps its checkpoints: the same path when it re-runs after a
+        crash, so it resumes; removed once its result is committed."""
+        return self.root / stage / f".ckpt-{key}"
+
     def staging(self, stage: str) -> Path:
         """A fresh private directory to build an entry in (artifacts go in `artifacts/`)."""
         path = self.root / stage / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -18,7 +18,9 @@ from typing import Any
 from pipelines.schema import PipelineConfig, StageSpec
 from training.config import ConfigError
 
-RESERVED = ("artifacts", "baseline")
+RESERVED = ("artifacts", "checkpoints", "baseline")
+"""Parameters the engine fills: a directory for artifacts, a stable directory for checkpoints that
+a re-run of the same key finds again, and the 1-device baseline result."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,10 @@ class Stage:
     @property
     def wants_artifacts(self) -> bool:
         return "artifacts" in inspect.signature(self.fn).parameters
+
+    @property
+    def wants_checkpoints(self) -> bool:
+        return "checkpoints" in inspect.signature(self.fn).parameters
 
 
 @dataclass(frozen=True)
@@ -101,7 +107,7 @@ def _check_signature(name: str, spec: StageSpec, fn: Any) -> tuple[type, type]:
     inputs = hints.get(params[0].name)
     if not (isinstance(inputs, type) and dataclasses.is_dataclass(inputs)):
         raise ConfigError(key, spec.needs, f"{spec.fn}'s first parameter must be annotated with a dataclass: {right_form}")
-    takes = [p.name for p in params[1:] if p.name != "artifacts"]
+    takes = [p.name for p in params[1:] if p.name not in ("artifacts", "checkpoints")]
     if sorted(takes) != sorted(wanted):
         raise ConfigError(
             key,

@@ -141,6 +141,9 @@ class Runner:
             outcome._entry = entry  # type: ignore[attr-defined]
             return outcome
         staging = self.cache.staging(name)
+        checkpoints = self.cache.checkpoints(name, key)
+        if stage.wants_checkpoints:
+            kwargs = dict(kwargs, checkpoints=checkpoints)
         task = Task(
             stage=name,
             fn=stage.spec.fn,
@@ -158,6 +161,7 @@ class Runner:
         seconds = time.perf_counter() - start
         metrics = list(result.metrics()) if hasattr(result, "metrics") else []
         entry = self.cache.commit(staging, name, key, result, metrics, seconds)
+        self.cache.discard(checkpoints)  # the result is stored: nothing left to resume
         outcome = Outcome("ran", seconds, key, result=result)
         outcome._entry = entry  # type: ignore[attr-defined]
         return outcome

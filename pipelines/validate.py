@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pipelines.schema import Config
 from training.config import ConfigError
+from training.parallel.dims import ParallelDims
 
 TOKEN_DATA = ("markov", "text")
 FEATURE_DATA = ("blobs",)
@@ -33,7 +34,8 @@ def resolve(cfg: Config, gpus_per_node: int | None = None) -> Config:
     cfg = dataclasses.replace(cfg, procs_per_node=procs)
     _check_world(cfg, gpus)
     _check_model_data(cfg)
-    _check_batches(cfg)
+    dims = _check_strategy(cfg, gpus)
+    _check_batches(cfg, dims)
     _check_stage_names(cfg)
     _check_outputs(cfg)
     return cfg
@@ -64,16 +66,42 @@ def _check_model_data(cfg: Config) -> None:
         raise ConfigError("data.branching", data.branching, f"must be <= model.vocab_size={model.vocab_size}")
 
 
-def _check_batches(cfg: Config) -> None:
+def _check_strategy(cfg: Config, gpus: int) -> ParallelDims:
+    """Degrees against the world, and against what the model can be split into."""
+    s, model = cfg.strategy, cfg.model
     world = cfg.nodes * cfg.procs_per_node
-    global_batch = cfg.train.micro_batch * cfg.train.grad_accum * world
+    try:
+        dims = ParallelDims.resolve(**s.degrees(), world_size=world)
+    except ValueError as err:
+        raise ConfigError("strategy", s.name, str(err)) from None
+    if dims.tp > 1:
+        if model.kind != "gpt":
+            raise ConfigError("strategy.tp", dims.tp, f"model={model.name} ({model.kind}) has no attention or "
+                              "feed-forward projections to split; use ddp, zero1/2/3 or pp")
+        for what, size in (("model.n_heads", model.n_heads), ("model.d_model", model.d_model),
+                           ("model.d_model x ffn_mult", model.d_model * model.ffn_mult)):
+            if size % dims.tp:
+                raise ConfigError("strategy.tp", dims.tp, f"must divide {what}={size}")
+    if dims.pp > model.n_layers:
+        raise ConfigError("strategy.pp", dims.pp, f"more pipeline stages than model.n_layers={model.n_layers}")
+    if s.precision == "fp16" and gpus == 0:
+        raise ConfigError("strategy.precision", "fp16", "needs CUDA (loss scaling); use bf16 or fp32 on CPU")
+    return dims
+
+
+def _check_batches(cfg: Config, dims: ParallelDims) -> None:
+    t, s = cfg.train, cfg.strategy
+    micro = t.micro_batch_for(dims.dp_size)
+    if dims.pp > 1 and micro % s.microbatches:
+        raise ConfigError("strategy.microbatches", s.microbatches, f"must divide the micro-batch of {micro} samples")
+    global_batch = micro * t.grad_accum * dims.dp_size
     if cfg.data.num_samples < global_batch:
         raise ConfigError(
             "data.num_samples",
             cfg.data.num_samples,
-            f"must hold at least one global batch (micro_batch x grad_accum x world = {global_batch})",
+            f"must hold at least one global batch (micro_batch x grad_accum x data-parallel size = {global_batch})",
         )
-    finder_batch = cfg.lr_find.batch or cfg.train.micro_batch
+    finder_batch = cfg.lr_find.batch or micro
     if cfg.data.num_samples < finder_batch:
         raise ConfigError("lr_find.batch", finder_batch, f"must be <= data.num_samples={cfg.data.num_samples}")
 

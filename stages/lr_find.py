@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from stages.common import log, workbench
-from training.config import DataConfig, LrFindConfig, ModelConfig, TrainConfig
+from training.config import DataConfig, LrFindConfig, ModelConfig, StrategyConfig, TrainConfig
 from training.data import GlobalBatches
 from training.lr_finder import range_test, scale_lr, suggest
 from training.models import loss_fn
+from training.parallel import resolve_dims
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class LrFindInputs:
     model: ModelConfig
     data: DataConfig
     train: TrainConfig
+    strategy: StrategyConfig
     nodes: int
     procs_per_node: int
     seed: int
@@ -71,7 +73,10 @@ class LrFindResult:
 def run(cfg: LrFindInputs) -> LrFindResult:
     finder = cfg.lr_find
     bench = workbench(cfg.model, cfg.data, cfg.seed)
-    batch = finder.batch or cfg.train.micro_batch
+    # The scaled run's effective batch: what one optimizer step of it averages over.
+    dp = resolve_dims(cfg.strategy, cfg.nodes * cfg.procs_per_node).dp_size
+    target = cfg.train.micro_batch_for(dp) * cfg.train.grad_accum * dp
+    batch = finder.batch or cfg.train.micro_batch_for(dp)
     optimizer = torch.optim.AdamW(bench.model.parameters(), lr=finder.min_lr, weight_decay=cfg.train.weight_decay)
     rows = GlobalBatches(cfg.data.num_samples, batch, 1, 0, 1, cfg.seed)
     inputs, targets = bench.pool
@@ -86,7 +91,6 @@ def run(cfg: LrFindInputs) -> LrFindResult:
         finder.min_lr, finder.max_lr, finder.num_iters, finder.beta, finder.diverge_threshold,
     )
     suggested = suggest(test.lrs, test.smoothed, finder.suggestion)
-    target = cfg.train.micro_batch * cfg.train.grad_accum * cfg.nodes * cfg.procs_per_node
     scaled = scale_lr(suggested, finder.lr_scaling, batch, target)
     log("lr_find", f"{len(test.lrs)} iterations, suggested {suggested:.3e}, scaled {scaled:.3e}")
     return LrFindResult(

@@ -26,6 +26,7 @@ from training.dist import synchronize
 from training.flops import flops_per_sample
 from training.memory import device_memory_bytes, measure_step
 from training.models import loss_fn
+from training.parallel import resolve_dims
 
 GIB = 1024**3
 TIMED_STEPS = 3
@@ -100,12 +101,17 @@ class PlanResult:
                 f"busbw {busbw}{ratio}")
 
 
+def data_parallel_size(cfg: PlanInputs) -> int:
+    return resolve_dims(cfg.strategy, cfg.nodes * cfg.procs_per_node).dp_size
+
+
 def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:
     """Rulers 1 and 3 on this device, ruler 2 from the probe."""
     bench = workbench(cfg.model, cfg.data, cfg.seed)
     model, dev = bench.model, bench.dev
     inputs, targets = bench.pool
-    x, y = inputs[: cfg.train.micro_batch], targets[: cfg.train.micro_batch]
+    micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
+    x, y = inputs[:micro], targets[:micro]
     flops = flops_per_sample(model, loss_fn, x, y)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -143,6 +149,7 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:
 def recommend(r: Rulers, cfg: PlanInputs, lr: LrFindResult) -> PlanResult:
     """The seed's rules, applied to measured rulers, each decision with its reason."""
     world = cfg.nodes * cfg.procs_per_node
+    dp = data_parallel_size(cfg)
     limit = cfg.plan.memory_fraction * r.device_memory_bytes
     pct = f"{cfg.plan.memory_fraction:.0%}"
     reasons = []
@@ -170,10 +177,10 @@ def recommend(r: Rulers, cfg: PlanInputs, lr: LrFindResult) -> PlanResult:
         reasons.append(f"bandwidth: all_reduce busbw {r.busbw_gbps:.2f} GB/s >= {r.ruler_gbps:g} GB/s ruler")
     grad_bytes = r.grad_bytes
     ratio = None
-    samples_per_step = cfg.train.micro_batch * cfg.train.grad_accum
+    samples_per_step = cfg.train.micro_batch_for(dp) * cfg.train.grad_accum
     density = r.flops_per_sample * samples_per_step / max(grad_bytes, 1)
     if r.busbw_gbps:
-        comm_s = grad_bytes * 2 * (world - 1) / world / (r.busbw_gbps * 1e9)
+        comm_s = grad_bytes * 2 * (dp - 1) / dp / (r.busbw_gbps * 1e9)
         compute_s = r.step_compute_s * cfg.train.grad_accum
         ratio = comm_s / compute_s
         bound = "communication-bound: consider hybrid sharding or more accumulation" if ratio > 1 else "compute-bound: data parallelism can hide its all-reduce"

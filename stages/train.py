@@ -6,22 +6,25 @@ Scaling efficiency = samples/s(N) / (N x samples/s(1)), both measured in the sam
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from stages.common import log, workbench
 from stages.lr_find import LrFindResult
 from stages.plan import PlanResult
+from training import checkpoint
 from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig
 from training.data import GlobalBatches
-from training.dist import gather_objects, rank, world_size
+from training.dist import gather_objects, rank
 from training.flops import peak_flops
 from training.loop import lr_lambda, train_loop
-from training.memory import StepMemory, measure_step
-from training.models import loss_fn, tokens_per_sample
-from training.parallel.ddp import apply_ddp
+from training.memory import StepProbe
+from training.models import logits_loss, tokens_per_sample
+from training.parallel import build_optimizer, parallelize
 
 GIB = 1024**3
 
@@ -38,8 +41,16 @@ class TrainInputs:
 @dataclass(frozen=True)
 class TrainResult:
     strategy: str
+    strategy_from_plan: bool
+    """True when strategy=auto took the plan's recommendation."""
+    dims: list[int]
+    """Degrees dp_replicate, dp_shard, tp, pp."""
+    precision: str
+    activation_checkpointing: str
     world_size: int
     steps: int
+    resumed_from: int
+    """The checkpoint step this run resumed from (0: a fresh run)."""
     final_loss: float
     losses: list[float]
     lrs: list[float]
@@ -66,7 +77,7 @@ class TrainResult:
     """None where the device's peak FLOP/s is unknown (CPUs, unlisted GPUs)."""
     device: str
     ranks_in_sync: bool
-    """Every rank ended with bitwise-identical parameters (replicated strategies)."""
+    """Ranks holding the same pipeline stage ended with bitwise-identical full parameters."""
 
     def metrics(self) -> list[tuple[str, float, int]]:
         out = [("train/loss", loss, step) for step, loss in enumerate(self.losses, 1)]
@@ -102,44 +113,74 @@ class TrainResult:
 
 
 def parameter_digest(model: torch.nn.Module) -> str:
-    """A hash of every parameter's bytes: equal across ranks iff the replicas agree exactly."""
+    """A hash of every parameter's full value (sharded ones gathered: a collective)."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().cpu().numpy().tobytes())
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        h.update(full.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()
 
 
-def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: TrainResult | None) -> TrainResult:
+def resolve_strategy(strategy: StrategyConfig, plan: PlanResult) -> tuple[StrategyConfig, bool]:
+    """`auto` becomes the plan's recommendation (and says so); anything else is kept."""
+    if strategy.name != "auto":
+        return strategy, False
+    return dataclasses.replace(strategy, name=plan.recommended_strategy), True
+
+
+def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: TrainResult | None,
+        checkpoints: Path) -> TrainResult:
     t = cfg.train
+    strategy, auto = resolve_strategy(cfg.strategy, plan)
     bench = workbench(cfg.model, cfg.data, cfg.seed)
-    model = apply_ddp(bench.model, bench.dev, cfg.strategy.bucket_cap_mb, cfg.strategy.find_unused_parameters)
+    parallel = parallelize(bench.model, strategy, bench.dev, logits_loss)
+    dims = parallel.dims
     peak_lr, lr_source = (t.lr, "train.lr") if t.lr is not None else (lr_find.scaled_lr, "lr_find.scaled_lr")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=t.weight_decay)
+    optimizer = build_optimizer(parallel, peak_lr, t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.warmup_steps, t.steps, t.schedule))
-    world = world_size()
-    batches = GlobalBatches(cfg.data.num_samples, t.micro_batch, t.grad_accum, rank(), world, cfg.seed)
-    memory = _first_step_memory(model, optimizer, bench, batches)
+    layout = checkpoint.Layout(strategy.name, dims.world_size)
+    zero1 = parallel.shard_optimizer and parallel.dp_group is not None
+    resume = checkpoint.load(checkpoints, parallel.model, optimizer, layout, zero1)
+    for _ in range(resume.step if resume else 0):
+        scheduler.step()
+    if resume:
+        log("train", f"resumed from the checkpoint of step {resume.step}")
+    batches = GlobalBatches(cfg.data.num_samples, t.micro_batch_for(dims.dp_size), t.grad_accum, parallel.dp_rank,
+                            dims.dp_size, cfg.seed)
     stats = train_loop(
-        model, optimizer, scheduler, loss_fn, bench.pool, batches, t.steps, t.grad_clip, t.log_every,
-        t.timing_warmup, bench.dev,
+        parallel, optimizer, scheduler, bench.pool, batches, t.steps, t.grad_clip, t.log_every, t.timing_warmup,
+        bench.dev,
         on_log=lambda step, loss: log("train", f"step {step}/{t.steps} loss {loss:.4f}"),
+        resume=resume,
+        ckpt_every=t.ckpt_every,
+        on_checkpoint=lambda step, losses, lrs: checkpoint.save(
+            checkpoints, step, parallel.model, optimizer, losses, lrs, layout, zero1),
+        probe=StepProbe(parallel.model, bench.dev),
     )
+    world = dims.world_size
     samples_per_s = stats.timed_steps * batches.global_batch / stats.timed_seconds
     base = baseline.samples_per_s if baseline is not None else samples_per_s
     peak = peak_flops(bench.dev, t.peak_flops)
     per_device = samples_per_s / world
-    digests = gather_objects(parameter_digest(bench.model))
+    memory = stats.memory
+    stage = dims.coordinates(rank())["pp"] if world > 1 else 0
+    digests = gather_objects((stage, parameter_digest(parallel.model)))
     return TrainResult(
-        strategy=cfg.strategy.name,
+        strategy=strategy.name,
+        strategy_from_plan=auto,
+        dims=[dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp],
+        precision=strategy.precision,
+        activation_checkpointing=strategy.activation_checkpointing,
         world_size=world,
         steps=t.steps,
+        resumed_from=resume.step if resume else 0,
         final_loss=stats.losses[-1],
         losses=stats.losses,
         lrs=stats.lrs,
         lr=peak_lr,
         lr_source=lr_source,
         global_batch=batches.global_batch,
-        micro_batch=t.micro_batch,
+        micro_batch=batches.micro,
         grad_accum=t.grad_accum,
         samples_per_s=samples_per_s,
         tokens_per_s=samples_per_s * tokens_per_sample(cfg.model),
@@ -157,23 +198,5 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
         flops_per_sample=plan.flops_per_sample,
         mfu_pct=100 * plan.flops_per_sample * per_device / peak if peak else None,
         device=str(bench.dev),
-        ranks_in_sync=len(set(digests)) == 1,
+        ranks_in_sync=all(len({d for s, d in digests if s == k}) == 1 for k in {s for s, _ in digests}),
     )
-
-
-def _first_step_memory(model, optimizer, bench, batches: GlobalBatches) -> StepMemory:
-    """Memory of one full step, measured on a scratch copy of the optimizer state so that the
-    run itself starts from step 0: the model is restored afterwards."""
-    saved_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    inputs, targets = bench.pool
-    rows = batches.rows(0, 0).to(bench.dev)
-
-    def step() -> None:
-        loss_fn(model, inputs[rows], targets[rows]).backward()
-        optimizer.step()
-
-    memory = measure_step(model, optimizer, step, bench.dev)
-    model.load_state_dict(saved_model)
-    optimizer.zero_grad(set_to_none=True)
-    optimizer.state.clear()
-    return memory

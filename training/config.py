@@ -35,7 +35,22 @@ def _one_of(key: str, value: str, options: tuple[str, ...]) -> None:
 
 MODEL_KINDS = ("gpt", "mlp")
 DATA_KINDS = ("markov", "text", "blobs")
-STRATEGIES = ("ddp",)
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "tp", "pp", "hybrid", "auto")
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
+# Degrees of each strategy; -1 takes the ranks left over. `auto` resolves to the plan's choice.
+PRESETS = {
+    "ddp": {"dp_replicate": -1, "dp_shard": 1, "tp": 1, "pp": 1},
+    "zero1": {"dp_replicate": -1, "dp_shard": 1, "tp": 1, "pp": 1},
+    "zero2": {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "pp": 1},
+    "zero3": {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "pp": 1},
+    "tp": {"dp_replicate": 1, "dp_shard": 1, "tp": -1, "pp": 1},
+    "pp": {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": -1},
+    "hybrid": {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "pp": 1},
+    "auto": {"dp_replicate": -1, "dp_shard": 1, "tp": 1, "pp": 1},
+}
+PP_SCHEDULES = ("gpipe", "1f1b")
+AC_MODES = ("none", "full")
+PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("cosine", "constant")
 SUGGESTION_RULES = ("steepest", "min_div_10")
 LR_SCALING_RULES = ("linear", "sqrt", "none")
@@ -96,7 +111,29 @@ class DataConfig:
 @dataclass(frozen=True)
 class StrategyConfig:
     name: str = "ddp"
-    """The parallelism: `ddp` replicates the model and all-reduces gradients."""
+    """`ddp` (replicate), `zero1` (shard optimizer state), `zero2` (also gradients), `zero3` (also
+    parameters), `tp` (tensor parallel), `pp` (pipeline parallel), `hybrid` (all four degrees as
+    given), or `auto` (the plan stage's recommendation)."""
+    dp_replicate: int | None = None
+    """Data-parallel replicas; null takes the strategy's preset; -1 means the leftover ranks."""
+    dp_shard: int | None = None
+    """Data-parallel shards (FSDP); null takes the preset; -1 means the leftover ranks."""
+    tp: int | None = None
+    """Tensor-parallel degree; null takes the preset (`tp`: all ranks, others 1)."""
+    pp: int | None = None
+    """Pipeline stages; null takes the preset (`pp`: all ranks, others 1)."""
+    microbatches: int = 2
+    """Pipeline microbatches per micro-batch (pp > 1); must divide the micro-batch."""
+    pp_schedule: str = "gpipe"
+    """Pipeline schedule: `gpipe` or `1f1b`."""
+    reshard_after_forward: bool | None = None
+    """FSDP: free gathered parameters after forward (zero3) or keep them for backward (zero2);
+    null takes the strategy's choice (true except for zero2)."""
+    activation_checkpointing: str = "none"
+    """`none`, or `full`: recompute every block's activations in backward."""
+    precision: str = "fp32"
+    """`fp32`, `bf16` (autocast, or FSDP's mixed precision with fp32 reduction), or `fp16` with
+    loss scaling (CUDA only)."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB."""
     find_unused_parameters: bool = False
@@ -104,7 +141,29 @@ class StrategyConfig:
 
     def __post_init__(self) -> None:
         _one_of("name", self.name, STRATEGIES)
+        for key in ("dp_replicate", "dp_shard", "tp", "pp"):
+            value = getattr(self, key)
+            if value is not None and (value == 0 or value < -1):
+                raise ConfigError(key, value, "must be >= 1, -1 (the leftover ranks) or null (the preset)")
+        _at_least("microbatches", self.microbatches, 1)
+        _one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        _one_of("activation_checkpointing", self.activation_checkpointing, AC_MODES)
+        _one_of("precision", self.precision, PRECISIONS)
         _at_least("bucket_cap_mb", self.bucket_cap_mb, 1e-3, "a number")
+
+    def degrees(self) -> dict[str, int]:
+        """dp_replicate, dp_shard, tp, pp: the explicit ones, else the strategy's preset."""
+        preset = PRESETS[self.name]
+        return {k: getattr(self, k) if getattr(self, k) is not None else preset[k] for k in DEGREES}
+
+    @property
+    def shards_optimizer_only(self) -> bool:
+        """zero1: DDP for gradients, ZeRO's optimizer for sharded optimizer state."""
+        return self.name == "zero1"
+
+    @property
+    def reshard(self) -> bool:
+        return self.reshard_after_forward if self.reshard_after_forward is not None else self.name != "zero2"
 
 
 @dataclass(frozen=True)
@@ -112,7 +171,11 @@ class TrainConfig:
     steps: int = 100
     """Optimizer steps of the scaled run (and of its 1-device baseline)."""
     micro_batch: int = 8
-    """Samples per device per forward/backward (weak scaling: fixed per device)."""
+    """Samples per data-parallel rank per forward/backward (weak scaling: fixed per device).
+    Ignored when global_batch is set."""
+    global_batch: int | None = None
+    """Samples per optimizer step, fixed across strategies and world sizes; the micro-batch is then
+    global_batch / (data-parallel size x grad_accum) and must divide exactly."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
     lr: float | None = None
@@ -129,6 +192,9 @@ class TrainConfig:
     """Steps between host syncs that read the loss (the hot loop never syncs otherwise)."""
     timing_warmup: int = 3
     """First steps excluded from throughput (allocator and cache warm-up)."""
+    ckpt_every: int = 0
+    """Save a distributed checkpoint every this many steps (0: never); a re-run after a crash
+    resumes from the last one."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU; null uses the known datasheet value for the GPU, or
     reports no MFU (CPUs have no reliable peak)."""
@@ -136,7 +202,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for key in ("steps", "micro_batch", "grad_accum", "log_every"):
             _at_least(key, getattr(self, key), 1)
-        for key in ("warmup_steps", "timing_warmup"):
+        _at_least("global_batch", self.global_batch, 1)
+        for key in ("warmup_steps", "timing_warmup", "ckpt_every"):
             _at_least(key, getattr(self, key), 0)
         if self.lr is not None and self.lr <= 0:
             raise ConfigError("lr", self.lr, "must be a number > 0, or null to use lr_find's LR")
@@ -148,6 +215,16 @@ class TrainConfig:
             raise ConfigError("timing_warmup", self.timing_warmup, f"must be < steps={self.steps}")
         if self.peak_flops is not None and self.peak_flops <= 0:
             raise ConfigError("peak_flops", self.peak_flops, "must be > 0, or null")
+
+    def micro_batch_for(self, dp_size: int) -> int:
+        """Per-rank micro-batch: `micro_batch`, or derived from a fixed `global_batch`."""
+        if self.global_batch is None:
+            return self.micro_batch
+        per_rank, rest = divmod(self.global_batch, dp_size * self.grad_accum)
+        if rest or not per_rank:
+            raise ConfigError("train.global_batch", self.global_batch,
+                              f"must be a multiple of data-parallel size {dp_size} x grad_accum {self.grad_accum}")
+        return per_rank
 
 
 @dataclass(frozen=True)

@@ -53,13 +53,13 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
-    """Mean over ranks (a copy); identity without a process group."""
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (a copy); identity without a process group."""
     if not is_dist():
         return tensor
     out = tensor.detach().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return out / world_size()
+    return out
 
 
 def synchronize(dev: torch.device) -> None:

@@ -14,10 +14,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from training.data import GlobalBatches
-from training.dist import all_reduce_mean, synchronize
+from training.dist import all_reduce_sum, synchronize
+from training.memory import StepMemory, StepProbe
+from training.parallel import Parallel, clip_grad_norm
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a resumed run picks up: the next step and the curve so far."""
+
+    step: int
+    losses: list[float]
+    lrs: list[float]
 
 
 @dataclass(frozen=True)
@@ -27,6 +37,8 @@ class LoopStats:
     lrs: list[float]
     timed_steps: int
     timed_seconds: float
+    memory: StepMemory | None
+    """The probed first step's memory, when a probe was given."""
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, schedule: str) -> Callable[[int], float]:
@@ -44,10 +56,9 @@ def lr_lambda(warmup_steps: int, total_steps: int, schedule: str) -> Callable[[i
 
 
 def train_loop(
-    model: nn.Module,
+    parallel: Parallel,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
     pool: tuple[torch.Tensor, torch.Tensor],
     batches: GlobalBatches,
     steps: int,
@@ -56,40 +67,64 @@ def train_loop(
     timing_warmup: int,
     dev: torch.device,
     on_log: Callable[[int, float], None] | None = None,
+    resume: Resume | None = None,
+    ckpt_every: int = 0,
+    on_checkpoint: Callable[[int, list[float], list[float]], None] | None = None,
+    probe: StepProbe | None = None,
 ) -> LoopStats:
+    """Run optimizer steps [resume.step or 0, steps). `probe`, if given, measures the first one."""
     inputs, targets = pool
-    losses: list[float] = []
-    lrs: list[float] = []
+    first = resume.step if resume else 0
+    losses: list[float] = list(resume.losses) if resume else []
+    lrs: list[float] = list(resume.lrs) if resume else []
     pending: list[torch.Tensor] = []
+    memory = None
+    timed_from = min(first + timing_warmup, steps - 1)
     start = time.perf_counter()
-    model.train()
-    for step in range(steps):
-        if step == timing_warmup:
+    parallel.model.train()
+    for step in range(first, steps):
+        if step == timed_from:
             synchronize(dev)
             start = time.perf_counter()
         lrs.append(optimizer.param_groups[0]["lr"])
         step_loss = torch.zeros((), device=dev)
-        for micro in range(batches.accum):
-            rows = batches.rows(step, micro).to(dev)
-            # Gradients are reduced once per optimizer step, on the last micro-batch.
-            last = micro == batches.accum - 1
-            sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-            with sync:
-                loss = loss_fn(model, inputs[rows], targets[rows]) / batches.accum
-                loss.backward()
-            step_loss += loss.detach()
+        measuring = probe if probe is not None and step == first else contextlib.nullcontext()
+        with measuring:
+            _accumulate(parallel, inputs, targets, batches, step, dev, step_loss)
+        if parallel.scaler is not None:
+            parallel.scaler.unscale_(optimizer)
         if grad_clip is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        optimizer.step()
+            clip_grad_norm(parallel, grad_clip)
+        if parallel.scaler is not None:
+            parallel.scaler.step(optimizer)
+            parallel.scaler.update()
+        else:
+            optimizer.step()
+        if probe is not None and step == first:
+            memory = probe.finish(optimizer)
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         pending.append(step_loss)
-        if (step + 1) % log_every == 0 or step == steps - 1:
-            values = all_reduce_mean(torch.stack(pending)).tolist()
-            losses.extend(values)
+        done = step + 1
+        checkpoint = ckpt_every > 0 and done % ckpt_every == 0 and done < steps
+        if done % log_every == 0 or done == steps or checkpoint:
+            # The only host sync of the loop: losses of every rank that computes one, averaged.
+            losses.extend((all_reduce_sum(torch.stack(pending)) / parallel.loss_owners).tolist())
             pending.clear()
             if on_log is not None:
-                on_log(step + 1, values[-1])
+                on_log(done, losses[-1])
+        if checkpoint and on_checkpoint is not None:
+            on_checkpoint(done, losses, lrs)
     synchronize(dev)
     elapsed = time.perf_counter() - start
-    return LoopStats(losses=losses, lrs=lrs, timed_steps=steps - timing_warmup, timed_seconds=elapsed)
+    return LoopStats(losses=losses, lrs=lrs, timed_steps=steps - timed_from, timed_seconds=elapsed, memory=memory)
+
+
+def _accumulate(parallel: Parallel, inputs, targets, batches: GlobalBatches, step: int, dev, step_loss) -> None:
+    """Forward and backward of every micro-batch of one optimizer step, summing the loss."""
+    for micro in range(batches.accum):
+        rows = batches.rows(step, micro).to(dev)
+        # Gradients are reduced once per optimizer step, on the last micro-batch.
+        last = micro == batches.accum - 1
+        with contextlib.nullcontext() if last else parallel.no_sync():
+            step_loss += parallel.forward_backward(inputs[rows], targets[rows], 1.0 / batches.accum)

@@ -43,7 +43,9 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tu
     grad_bytes = sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
     optim_bytes = 0
     if optimizer is not None:
-        for state in optimizer.state.values():
+        # ZeroRedundancyOptimizer keeps this rank's shard of the state in its local `optim`.
+        local = getattr(optimizer, "optim", optimizer)
+        for state in local.state.values():
             optim_bytes += sum(tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
     return param_bytes, grad_bytes, optim_bytes
 
@@ -57,10 +59,14 @@ class SavedActivations:
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self._param_ptrs:
-            self._seen[ptr] = storage.nbytes()
+        local = _local(t)  # DTensors (TP) save their local shard; the wrapper has no storage
+        try:
+            storage = local.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            key, nbytes = id(t), tensor_bytes(local)
+        if key not in self._param_ptrs:
+            self._seen[key] = nbytes
         return t
 
     @property
@@ -75,6 +81,46 @@ class SavedActivations:
         self._ctx.__exit__(*exc)
 
 
+class StepProbe:
+    """Measures one training step from the inside: enter before its forward, call `finish` right
+    after its optimizer step (before gradients are zeroed).
+
+    Parameter bytes are the larger of what the rank holds after forward and after the step:
+    ZeRO-2 keeps gathered parameters from forward to backward, ZeRO-3 frees them."""
+
+    def __init__(self, model: nn.Module, dev: torch.device):
+        self.model, self.dev = model, dev
+        self.saved = SavedActivations(model)
+        self._after_forward = 0
+        self._hook = None
+
+    def __enter__(self) -> StepProbe:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+            torch.cuda.reset_peak_memory_stats(self.dev)
+        self._hook = self.model.register_forward_hook(self._on_forward)
+        self.saved.__enter__()
+        return self
+
+    def _on_forward(self, module: nn.Module, args: object, output: object) -> None:
+        held = sum(tensor_bytes(p) for p in module.parameters())
+        self._after_forward = max(self._after_forward, held)
+
+    def __exit__(self, *exc: object) -> None:
+        self.saved.__exit__(*exc)
+        if self._hook is not None:
+            self._hook.remove()
+
+    def finish(self, optimizer: torch.optim.Optimizer) -> StepMemory:
+        params, grads, optim = state_bytes(self.model, optimizer)
+        params = max(params, self._after_forward)
+        activations = self.saved.bytes
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+            return StepMemory(params, grads, optim, activations, torch.cuda.max_memory_allocated(self.dev), "cuda_allocator")
+        return StepMemory(params, grads, optim, activations, params + grads + optim + activations, "tensor_count")
+
+
 def measure_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -82,16 +128,9 @@ def measure_step(
     dev: torch.device,
 ) -> StepMemory:
     """Run `step` (one forward, backward and optimizer step) and measure its memory."""
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-    with SavedActivations(model) as saved:
+    with StepProbe(model, dev) as probe:
         step()
-    params, grads, optim = state_bytes(model, optimizer)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        return StepMemory(params, grads, optim, saved.bytes, torch.cuda.max_memory_allocated(dev), "cuda_allocator")
-    return StepMemory(params, grads, optim, saved.bytes, params + grads + optim + saved.bytes, "tensor_count")
+    return probe.finish(optimizer)
 
 
 def device_memory_bytes(dev: torch.device, ranks_per_host: int) -> int:

@@ -39,10 +39,24 @@ def hang_rank1(_inputs: object) -> None:
 
 def train_ddp(inputs: object) -> object:
     """The real train stage, with the two upstream results it reads stubbed by plain values."""
+    import tempfile
+    from pathlib import Path
     from types import SimpleNamespace
 
     from stages.train import run
 
     plan = SimpleNamespace(flops_per_sample=1.0)
     lr_find = SimpleNamespace(scaled_lr=1e-2)
-    return run(inputs, plan=plan, lr_find=lr_find, baseline=None)
+    return run(inputs, plan=plan, lr_find=lr_find, baseline=None, checkpoints=Path(tempfile.mkdtemp()))
+
+
+def train_any(inputs: object) -> object:
+    """The real train stage for any strategy, checkpointing into the path the test gives."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from stages.train import run
+
+    inputs, ckpt = inputs
+    plan = SimpleNamespace(flops_per_sample=1.0, recommended_strategy="zero3")
+    return run(inputs, plan=plan, lr_find=SimpleNamespace(scaled_lr=1e-2), baseline=None, checkpoints=Path(ckpt))

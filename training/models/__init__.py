@@ -19,10 +19,14 @@ def build_model(model: ModelConfig, data: DataConfig, seed: int) -> nn.Module:
     return MLP(data.num_features, model.d_model, model.n_layers, data.num_classes)
 
 
-def loss_fn(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every predicted position (tokens) or sample (classes)."""
-    logits = model(inputs)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def loss_fn(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The model's loss on one batch."""
+    return logits_loss(model(inputs), targets)
 
 
 def tokens_per_sample(model: ModelConfig) -> int:

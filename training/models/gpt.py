@@ -58,6 +58,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    pp_first = ("tok_embeddings", "pos_embeddings")
+    pp_last = ("norm", "output")
+
     def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int, ffn_mult: int):
         super().__init__()
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(vocab_size, d_model)

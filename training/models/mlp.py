@@ -7,15 +7,18 @@ from torch import nn
 
 
 class MLP(nn.Module):
+    pp_first: tuple[str, ...] = ()
+    pp_last = ("output",)
+
     def __init__(self, in_features: int, hidden: int, depth: int, num_classes: int):
         super().__init__()
         dims = [in_features, *([hidden] * depth)]
         self.layers = nn.ModuleDict(
             {str(i): nn.Sequential(nn.Linear(a, b), nn.ReLU()) for i, (a, b) in enumerate(zip(dims, dims[1:], strict=False))}
         )
-        self.output = nn.Linear(dims[-1], num_classes)
+        self.output: nn.Linear | None = nn.Linear(dims[-1], num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers.values():
             x = layer(x)
-        return self.output(x)
+        return self.output(x) if self.output is not None else x

@@ -1,0 +1,98 @@
+"""Distributed checkpoints (torch.distributed.checkpoint) that a re-run resumes from.
+
+Layout under the directory the engine hands the stage: `step-<k>/` (DCP shards of model and
+optimizer) and `latest.json`, which rank 0 rewrites atomically only after every rank finished
+writing step k, so a crash during a save leaves the previous checkpoint in force. DCP reshards on
+load, so a checkpoint can move between world sizes and between ddp/FSDP layouts; zero1's optimizer
+shards are per-rank files and need the same world.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from training.dist import is_dist, is_main, rank
+from training.loop import Resume
+
+LATEST = "latest.json"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a checkpoint was written by, to say clearly why it can't be loaded elsewhere."""
+
+    strategy: str
+    world_size: int
+
+
+def _barrier() -> None:
+    if is_dist():
+        dist.barrier()
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer, zero1: bool) -> dict:
+    if zero1:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, losses: list[float],
+         lrs: list[float], layout: Layout, zero1: bool) -> None:
+    """Save step `step` on every rank (collective), then point `latest.json` at it."""
+    path = root / f"step-{step}"
+    path.mkdir(parents=True, exist_ok=True)
+    dcp.save(_state(model, optimizer, zero1), checkpoint_id=str(path))
+    if zero1:
+        torch.save(optimizer.optim.state_dict(), path / f"zero1-optim-rank{rank()}.pt")
+    _barrier()
+    if is_main():
+        meta = {"step": step, "losses": losses, "lrs": lrs, "path": path.name,
+                "strategy": layout.strategy, "world_size": layout.world_size}
+        tmp = root / f"{LATEST}.tmp"
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, root / LATEST)
+    _barrier()
+
+
+def load(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout, zero1: bool) -> Resume | None:
+    """Restore the latest checkpoint into `model` and `optimizer`; None when there is none."""
+    latest = root / LATEST
+    if not latest.exists():
+        return None
+    meta = json.loads(latest.read_text())
+    saved = Layout(meta["strategy"], meta["world_size"])
+    if zero1 and saved != layout:
+        raise ValueError(
+            f"checkpoint {root / meta['path']} was written by {saved.strategy} at world {saved.world_size}; zero1's "
+            f"optimizer shards reload only into zero1 at the same world size (this run: {layout.strategy} at world "
+            f"{layout.world_size})"
+        )
+    state = _state(model, optimizer, zero1)
+    try:
+        dcp.load(state, checkpoint_id=str(root / meta["path"]))
+    except Exception as err:  # noqa: BLE001 - DCP raises many types; the user needs the layouts
+        raise ValueError(
+            f"checkpoint {root / meta['path']} ({saved.strategy} at world {saved.world_size}) cannot be loaded into "
+            f"{layout.strategy} at world {layout.world_size}: {err}"
+        ) from err
+    if zero1:
+        set_model_state_dict(model, state["model"])
+        optimizer.optim.load_state_dict(torch.load(root / meta["path"] / f"zero1-optim-rank{rank()}.pt"))
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return Resume(step=meta["step"], losses=meta["losses"], lrs=meta["lrs"])

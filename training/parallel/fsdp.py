@@ -1,0 +1,22 @@
+"""Sharded data parallelism with FSDP2 `fully_shard`: ZeRO-2 and ZeRO-3, and HSDP on a 2-D mesh."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, param_dtype: torch.dtype | None) -> nn.Module:
+    """Shard every block, then the root (which takes the embeddings and the head).
+
+    `reshard_after_forward=True` is ZeRO-3 (parameters gathered again in backward);
+    False is ZeRO-2 (gathered parameters kept from forward to backward; gradients and optimizer
+    state still sharded). A 2-D `dp_mesh` (replicate, shard) gives HSDP. With `param_dtype`,
+    compute runs in that dtype while gradients are reduced in fp32."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    return model
