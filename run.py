@@ -31,6 +31,13 @@ def app(dcfg: DictConfig) -> None:
 
     try:
         cfg = load(OmegaConf.to_container(dcfg, resolve=True))
+        if cfg.dry_run:
+            from training.parallel.dryrun import format_layout, plan_layout
+
+            world = cfg.nodes * cfg.procs_per_node
+            print(format_layout(plan_layout(cfg.model, cfg.data, cfg.strategy, world), cfg.strategy, world))
+            EXIT_CODES.append(0)
+            return
         summary = run_pipeline(cfg, Path(HydraConfig.get().runtime.output_dir))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

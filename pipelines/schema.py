@@ -126,6 +126,10 @@ class Config:
     """Re-run these stages even when cached."""
     cache_dir: str = "outputs/cache"
     """Where stage results are stored under their content keys."""
+    dry_run: bool = False
+    """Build the real mesh and sharded model for the requested world on a fake process group,
+    print each rank's memory for parameters, gradients and optimizer state, and exit: no stage
+    runs, nothing is launched or logged."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:

@@ -45,7 +45,7 @@ def _check_world(cfg: Config, gpus: int) -> None:
     world = cfg.nodes * cfg.procs_per_node
     if cfg.launcher.backend == "nccl" and gpus == 0:
         raise ConfigError("launcher.backend", "nccl", "needs CUDA GPUs and none are visible; use auto or gloo")
-    if cfg.launcher.name == "local" and gpus and world > gpus:
+    if cfg.launcher.name == "local" and gpus and world > gpus and not cfg.dry_run:
         raise ConfigError(
             "nodes",
             cfg.nodes,

@@ -69,6 +69,11 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     _barrier()
 
 
+def _last_line(err: BaseException) -> str:
+    lines = [line for line in str(err).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
+
+
 def load(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout, zero1: bool) -> Resume | None:
     """Restore the latest checkpoint into `model` and `optimizer`; None when there is none."""
     latest = root / LATEST
@@ -76,7 +81,7 @@ def load(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, layout:
         return None
     meta = json.loads(latest.read_text())
     saved = Layout(meta["strategy"], meta["world_size"])
-    if zero1 and saved != layout:
+    if (zero1 or saved.strategy == "zero1") and saved != layout:
         raise ValueError(
             f"checkpoint {root / meta['path']} was written by {saved.strategy} at world {saved.world_size}; zero1's "
             f"optimizer shards reload only into zero1 at the same world size (this run: {layout.strategy} at world "
@@ -88,7 +93,7 @@ def load(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, layout:
     except Exception as err:  # noqa: BLE001 - DCP raises many types; the user needs the layouts
         raise ValueError(
             f"checkpoint {root / meta['path']} ({saved.strategy} at world {saved.world_size}) cannot be loaded into "
-            f"{layout.strategy} at world {layout.world_size}: {err}"
+            f"{layout.strategy} at world {layout.world_size}: {_last_line(err)}"
         ) from err
     if zero1:
         set_model_state_dict(model, state["model"])

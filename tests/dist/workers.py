@@ -60,3 +60,23 @@ def train_any(inputs: object) -> object:
     inputs, ckpt = inputs
     plan = SimpleNamespace(flops_per_sample=1.0, recommended_strategy="zero3")
     return run(inputs, plan=plan, lr_find=SimpleNamespace(scaled_lr=1e-2), baseline=None, checkpoints=Path(ckpt))
+
+
+def train_crash_once(inputs: object) -> object:
+    """train_any, but rank 1 SIGKILLs itself at `kill_step` unless `marker` exists (it creates
+    it first), so that the first attempt dies mid-run and the second one resumes."""
+    from pathlib import Path
+
+    import training.loop as loop
+
+    inputs, ckpt, marker, kill_step = inputs
+    original = loop._accumulate
+
+    def crashing(parallel, pool_x, pool_y, batches, step, dev, step_loss):  # noqa: ANN001
+        if step == kill_step and dist.get_rank() == 1 and not Path(marker).exists():
+            Path(marker).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(parallel, pool_x, pool_y, batches, step, dev, step_loss)
+
+    loop._accumulate = crashing
+    return train_any((inputs, ckpt))

@@ -110,7 +110,9 @@ def test_bad_override_is_one_line_and_writes_nothing(tmp_path):
 def test_unknown_option_lists_the_valid_ones(tmp_path):
     result = run_cli(tmp_path, "strategy=zero9")
     assert result.returncode == 2
-    assert result.stderr.strip() == "error: strategy=zero9: no such option; available: ddp"
+    assert result.stderr.strip() == (
+        "error: strategy=zero9: no such option; available: auto, ddp, hybrid, pp, tp, zero1, zero2, zero3"
+    )
     assert not (tmp_path / "outputs").exists()
 
 
@@ -129,3 +131,13 @@ def test_a_sweep_runs_each_point_and_world_one_measures_no_bandwidth(tmp_path):
     assert "world size 1" in one["bandwidth"]["result"]["skipped_reason"]
     assert one["train"]["result"]["scaling_efficiency"] == 1.0
     assert "baseline" not in one["train"], "a world of one is its own baseline"
+
+
+def test_dry_run_plans_a_32_rank_layout_in_seconds(tmp_path):
+    result = run_cli(tmp_path, "strategy=hybrid", "nodes=4", "procs_per_node=8", "dry_run=true", "strategy.tp=4",
+                     "strategy.pp=2", "tracking=none", "hydra.run.dir=dry", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "world=32 = pp 2 x dp_replicate 1 x dp_shard 4 x tp 4" in result.stdout
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[0] for row in rows] == ["0", "16"], "one rank per pipeline stage"
+    assert not (tmp_path / "outputs" / "cache").exists(), "a dry run runs no stage"

@@ -27,7 +27,16 @@ def test_procs_per_node_defaults_to_the_gpus(compose_cfg):
 
 
 BAD = [
-    (["strategy=zero9"], "strategy=zero9: no such option; available: ddp"),
+    (["strategy=zero9"], "strategy=zero9: no such option; available: auto, ddp, hybrid, pp, tp, zero1, zero2, zero3"),
+    (["strategy=hybrid", "strategy.dp_shard=3"], "= 3, but the world size is 2"),
+    (["strategy=hybrid", "strategy.dp_shard=-1", "strategy.tp=-1"], "are all -1"),
+    (["strategy=tp", "nodes=3"], "strategy.tp=3: must divide model.n_heads=4"),
+    (["strategy=pp", "nodes=3"], "strategy.pp=3: more pipeline stages than model.n_layers=2"),
+    (["strategy=pp", "strategy.microbatches=3"], "strategy.microbatches=3: must divide the micro-batch of 8"),
+    (["strategy=tp", "model=mlp", "data=blobs"], "strategy.tp=2: model=mlp (mlp) has no attention"),
+    (["strategy.precision=fp16"], "strategy.precision='fp16': needs CUDA"),
+    (["strategy.tp=0"], "strategy.tp=0: must be >= 1, -1"),
+    (["train.global_batch=7"], "train.global_batch=7: must be a multiple of data-parallel size 2"),
     (["model=huge"], "model=huge: no such option"),
     (["nodes=abc"], "nodes=abc"),
     (["nodes=0"], "nodes=0: must be an integer >= 1"),

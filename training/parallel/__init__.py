@@ -58,11 +58,15 @@ def resolve_dims(strategy: StrategyConfig, world: int) -> ParallelDims:
     return ParallelDims.resolve(d["dp_replicate"], d["dp_shard"], d["tp"], d["pp"], world)
 
 
-def parallelize(model: nn.Module, strategy: StrategyConfig, dev: torch.device, logits_loss: LogitsLoss) -> Parallel:
-    """Apply `strategy` to `model` (already on `dev`) over the default process group."""
+def parallelize(model: nn.Module, strategy: StrategyConfig, dev: torch.device, logits_loss: LogitsLoss,
+                layout_only: bool = False) -> Parallel:
+    """Apply `strategy` to `model` (already on `dev`) over the default process group.
+
+    `layout_only` stops at the sharded model (no DDP wrapper, no pipeline schedule): what a dry
+    run on a fake process group and the meta device needs to measure each rank's share."""
     dims = resolve_dims(strategy, world_size())
     dtype = DTYPES[strategy.precision]
-    mesh = dims.build_mesh(dev.type) if is_dist() and dims.world_size > 1 else None
+    mesh, dp_mesh = dims.build_mesh(dev.type) if is_dist() and dims.world_size > 1 else (None, None)
     first = last = True
     if dims.pp_enabled:
         model = apply_pp(model, mesh["pp"])
@@ -75,10 +79,10 @@ def parallelize(model: nn.Module, strategy: StrategyConfig, dev: torch.device, l
     fsdp = dims.fsdp_enabled or (dims.dp_replicate_enabled and dims.tp_enabled)
     dp_group = None
     if fsdp:
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate_enabled else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, strategy.reshard, dtype)
-        dp_group = mesh["dp"].get_group()
-    elif dims.dp_replicate_enabled:
+        shard_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate_enabled else mesh["dp_shard"]
+        apply_fsdp(model, shard_mesh, strategy.reshard, dtype)
+        dp_group = dp_mesh.get_group()
+    elif dims.dp_replicate_enabled and not layout_only:
         dp_group = mesh["dp_replicate"].get_group()
         model = apply_ddp(model, dev, strategy.bucket_cap_mb,
                           strategy.find_unused_parameters or dims.pp_enabled, process_group=dp_group)
@@ -90,7 +94,9 @@ def parallelize(model: nn.Module, strategy: StrategyConfig, dev: torch.device, l
     def ctx():
         return torch.autocast(dev.type, dtype=dtype) if autocast else contextlib.nullcontext()
 
-    if dims.pp_enabled:
+    if layout_only:
+        forward_backward = _plain_step(model, logits_loss, ctx, scaler)
+    elif dims.pp_enabled:
         loss_box = _ScaledLoss(logits_loss)
         schedule = build_schedule(model, mesh["pp"], dev, strategy.microbatches, strategy.pp_schedule, loss_box)
         forward_backward = _pipeline_step(schedule, loss_box, first, last, dev, ctx, scaler)

@@ -71,12 +71,12 @@ class ParallelDims:
     def dp_replicate_enabled(self) -> bool:
         return self.dp_replicate > 1
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The 4-D mesh over the default process group, with a flattened `dp` dimension."""
+    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+        """The 4-D mesh over the default process group, and its flattened data-parallel mesh
+        (dp_replicate x dp_shard: every rank that sees different data)."""
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh
+        return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's index along each dimension, and along the flattened dp."""

@@ -1,0 +1,53 @@
+"""Distributed checkpoints: a rank killed mid-run, a re-run resumes and ends as if uninterrupted."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelines.launchers.base import StageFailed
+from tests.dist.test_strategies import TOL, train_inputs
+from tests.helpers import run_world
+from training.config import StrategyConfig
+
+STEPS, EVERY, KILL = 10, 4, 6
+
+
+def crash_then_resume(tmp_path, first: StrategyConfig, second: StrategyConfig):
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "killed"
+    with pytest.raises(StageFailed, match="rank 1 was killed by SIGKILL"):
+        inputs = (train_inputs(first, steps=STEPS, ckpt_every=EVERY), str(ckpt), str(marker), KILL)
+        run_world("tests.dist.workers:train_crash_once", inputs, world=2)
+    assert marker.exists() and (ckpt / "latest.json").exists()
+    inputs = (train_inputs(second, steps=STEPS, ckpt_every=EVERY), str(ckpt), str(marker), KILL)
+    return run_world("tests.dist.workers:train_crash_once", inputs, world=2)
+
+
+def uninterrupted(tmp_path, strategy: StrategyConfig):
+    inputs = (train_inputs(strategy, steps=STEPS, ckpt_every=EVERY), str(tmp_path / "clean"))
+    return run_world("tests.dist.workers:train_any", inputs, world=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp", "zero3"])
+def test_killed_run_resumes_from_its_checkpoint(tmp_path, name):
+    strategy = StrategyConfig(name=name)
+    resumed = crash_then_resume(tmp_path, strategy, strategy)
+    clean = uninterrupted(tmp_path, strategy)
+    assert resumed.resumed_from == EVERY
+    assert len(resumed.losses) == STEPS and len(resumed.lrs) == STEPS
+    assert resumed.losses == pytest.approx(clean.losses, **TOL)
+    assert resumed.lrs == pytest.approx(clean.lrs)
+
+
+@pytest.mark.slow
+def test_a_ddp_checkpoint_resumes_under_zero3(tmp_path):
+    resumed = crash_then_resume(tmp_path, StrategyConfig(name="ddp"), StrategyConfig(name="zero3"))
+    clean = uninterrupted(tmp_path, StrategyConfig(name="ddp"))
+    assert resumed.resumed_from == EVERY and resumed.strategy == "zero3"
+    assert resumed.losses == pytest.approx(clean.losses, **TOL)
+
+
+@pytest.mark.slow
+def test_zero1_optimizer_shards_say_why_they_cannot_move(tmp_path):
+    with pytest.raises(StageFailed, match="zero1's optimizer shards reload only into zero1"):
+        crash_then_resume(tmp_path, StrategyConfig(name="zero1"), StrategyConfig(name="ddp"))

@@ -1,0 +1,111 @@
+"""Every strategy on real gloo ranks: the same loss curve as one process, and the memory each
+rank holds as the ZeRO paper says (counted from the local shards)."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+
+from stages.train import TrainInputs
+from tests.helpers import run_world
+from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig
+
+GPT = ModelConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16)
+MLP = ModelConfig(name="mlp", kind="mlp", d_model=64, n_layers=2)
+DATA = {"gpt": DataConfig(num_samples=256), "mlp": DataConfig(name="blobs", kind="blobs", num_samples=256)}
+TOL = {"rel": 1e-5, "abs": 1e-5}
+_RUNS: dict = {}
+
+
+def train_inputs(strategy: StrategyConfig, model: ModelConfig = GPT, **train) -> TrainInputs:
+    settings = dict(steps=10, global_batch=8, lr=1e-2, log_every=5, timing_warmup=2, warmup_steps=2,
+                    schedule="constant", grad_clip=0.5)
+    settings.update(train)
+    return TrainInputs(TrainConfig(**settings), model, DATA[model.kind], strategy, seed=0)
+
+
+def run(strategy: StrategyConfig, world: int, model: ModelConfig = GPT, **train):
+    key = (strategy, world, model, tuple(sorted(train.items())))
+    if key not in _RUNS:
+        inputs = (train_inputs(strategy, model, **train), tempfile.mkdtemp())
+        _RUNS[key] = run_world("tests.dist.workers:train_any", inputs, world=world)
+    return _RUNS[key]
+
+
+def reference(model: ModelConfig = GPT):
+    return run(StrategyConfig(name="ddp"), 1, model)
+
+
+WORLD2 = {
+    "ddp": StrategyConfig(name="ddp"),
+    "zero1": StrategyConfig(name="zero1"),
+    "zero2": StrategyConfig(name="zero2"),
+    "zero3": StrategyConfig(name="zero3"),
+    "tp": StrategyConfig(name="tp"),
+    "pp-gpipe": StrategyConfig(name="pp", pp_schedule="gpipe"),
+    "pp-1f1b": StrategyConfig(name="pp", pp_schedule="1f1b"),
+    "ddp-ac": StrategyConfig(name="ddp", activation_checkpointing="full"),
+}
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_world2_matches_one_process(name):
+    result = run(WORLD2[name], 2)
+    assert result.world_size == 2 and result.global_batch == 8
+    assert result.losses == pytest.approx(reference().losses, **TOL)
+    assert result.ranks_in_sync
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero3", "pp-gpipe"])
+def test_mlp_matches_one_process(name):
+    result = run(WORLD2[name], 2, MLP)
+    assert result.losses == pytest.approx(reference(MLP).losses, **TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "degrees",
+    [dict(dp_shard=2, tp=2), dict(dp_shard=2, pp=2), dict(dp_replicate=2, dp_shard=1, pp=2)],
+    ids=["fsdp2xtp2", "fsdp2xpp2", "ddp2xpp2"],
+)
+def test_hybrid_on_four_ranks_matches_one_process(degrees):
+    result = run(StrategyConfig(name="hybrid", **degrees), 4)
+    assert result.losses == pytest.approx(reference().losses, **TOL)
+    assert result.ranks_in_sync
+
+
+def test_accumulation_matches_the_larger_micro_batch_under_fsdp():
+    accumulated = run(StrategyConfig(name="zero3"), 2, grad_accum=2)
+    assert accumulated.micro_batch == 2
+    assert accumulated.losses == pytest.approx(reference().losses, **TOL)
+
+
+def _near(value: float, target: float, within: float = 0.10) -> bool:
+    return abs(value - target) <= within * target
+
+
+def test_zero_stages_shard_what_the_paper_says():
+    ddp, z1, z2, z3 = (run(WORLD2[n], 2) for n in ("ddp", "zero1", "zero2", "zero3"))
+    assert z1.param_bytes == ddp.param_bytes and z1.grad_bytes == ddp.grad_bytes
+    assert _near(z1.optim_bytes, ddp.optim_bytes / 2)
+    assert z2.param_bytes == ddp.param_bytes, "zero2 keeps gathered parameters through backward"
+    assert _near(z2.grad_bytes, ddp.grad_bytes / 2) and _near(z2.optim_bytes, ddp.optim_bytes / 2)
+    for field in ("param_bytes", "grad_bytes", "optim_bytes"):
+        assert _near(getattr(z3, field), getattr(ddp, field) / 2), field
+
+
+def test_tp_halves_the_block_linears_and_pp_keeps_one_stage():
+    ddp, tp, pp = run(WORLD2["ddp"], 2), run(WORLD2["tp"], 2), run(WORLD2["pp-gpipe"], 2)
+    d, f = GPT.d_model, GPT.d_model * GPT.ffn_mult
+    linear_bytes = 4 * GPT.n_layers * (4 * d * d + 2 * d * f)
+    assert tp.param_bytes == ddp.param_bytes - linear_bytes // 2
+    # Rank 0 holds stage 0: the embeddings and the first block, not the head and final norm.
+    head_and_norm = 4 * (d * GPT.vocab_size + 2 * d)
+    block = linear_bytes // GPT.n_layers + 4 * 4 * d
+    assert pp.param_bytes == ddp.param_bytes - head_and_norm - block
+
+
+def test_auto_takes_the_plan_recommendation():
+    result = run(StrategyConfig(name="auto"), 2)
+    assert result.strategy == "zero3" and result.strategy_from_plan

@@ -1,0 +1,75 @@
+"""Plan a layout at production scale without the hardware: a fake process group and the meta
+device build the real mesh and the real sharded model for one rank of each pipeline stage, and
+count what that rank would hold."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from training.config import DataConfig, ModelConfig, StrategyConfig
+from training.memory import tensor_bytes
+from training.models import build_model, logits_loss
+from training.parallel import parallelize, resolve_dims
+
+ADAM_STATES = 2
+
+
+@dataclass(frozen=True)
+class RankShare:
+    rank: int
+    coordinates: dict[str, int]
+    param_bytes: int
+    """Parameters held during forward and backward (ZeRO-2 keeps them gathered)."""
+    grad_bytes: int
+    optim_bytes: int
+    """AdamW's two fp32 moments for what this rank updates."""
+    layers: int
+
+
+def representative_ranks(strategy: StrategyConfig, world: int) -> list[int]:
+    """One rank per pipeline stage: other ranks of a stage hold equal shares (padding aside)."""
+    dims = resolve_dims(strategy, world)
+    return [stage * (world // dims.pp) for stage in range(dims.pp)]
+
+
+def rank_share(model_cfg: ModelConfig, data_cfg: DataConfig, strategy: StrategyConfig, world: int, rank: int) -> RankShare:
+    """Build the sharded model as `rank` of `world` would, on a fake process group."""
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        with torch.device("meta"):
+            model = build_model(model_cfg, data_cfg, seed=0)
+        parallel = parallelize(model, strategy, torch.device("cpu"), logits_loss, layout_only=True)
+        dims = parallel.dims
+        local = sum(tensor_bytes(p) for p in parallel.model.parameters())
+        elements = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                       for p in parallel.model.parameters())
+        held = local * dims.dp_shard if dims.fsdp_enabled and not strategy.reshard else local
+        optim = ADAM_STATES * 4 * elements
+        if strategy.shards_optimizer_only:
+            optim //= dims.dp_size
+        return RankShare(rank, dims.coordinates(rank), held, local, optim, len(parallel.model.layers))
+    finally:
+        dist.destroy_process_group()
+
+
+def plan_layout(model_cfg: ModelConfig, data_cfg: DataConfig, strategy: StrategyConfig, world: int) -> list[RankShare]:
+    return [rank_share(model_cfg, data_cfg, strategy, world, r) for r in representative_ranks(strategy, world)]
+
+
+def format_layout(shares: list[RankShare], strategy: StrategyConfig, world: int) -> str:
+    dims = resolve_dims(strategy, world)
+    gib = 1024**3
+    lines = [
+        f"dry run: strategy={strategy.name} world={world} = pp {dims.pp} x dp_replicate {dims.dp_replicate} x "
+        f"dp_shard {dims.dp_shard} x tp {dims.tp} (fake process group, meta device)",
+        f"{'rank':>6}  {'pp':>3}  {'layers':>6}  {'params GiB':>11}  {'grads GiB':>10}  {'optim GiB':>10}  {'total GiB':>10}",
+    ]
+    for s in shares:
+        total = s.param_bytes + s.grad_bytes + s.optim_bytes
+        lines.append(f"{s.rank:>6}  {s.coordinates['pp']:>3}  {s.layers:>6}  {s.param_bytes / gib:>11.4f}  "
+                     f"{s.grad_bytes / gib:>10.4f}  {s.optim_bytes / gib:>10.4f}  {total / gib:>10.4f}")
+    return "\n".join(lines)
