@@ -32,5 +32,14 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Side-by-side ratios against plain PyTorch, bare collectives and the tool itself; minutes.
+bench: $(STAMP)
+	$(PY) benchmarks/run.py
+
+# GPU checks (env + bandwidth on every GPU, train ddp and zero3 in bf16 with MFU). Needs CUDA;
+# uses .venv if present, else the python on PATH, and installs nothing.
+gpu-smoke:
+	bash scripts/gpu_smoke.sh
+
 clean:
 	rm -rf outputs multirun .pytest_cache .ruff_cache

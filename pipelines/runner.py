@@ -222,8 +222,12 @@ def _describe(outcome: Outcome) -> str:
 def run_pipeline(cfg: Config, run_dir: Path, echo=print) -> Summary:
     """Build the DAG, open tracking, run every selected stage, write summary.json."""
     dag = build(cfg.pipeline)  # fails on a bad DAG before MLflow or any process starts
-    tracker = make_tracker(cfg.tracking)
-    launcher = make_launcher(cfg.launcher)
+    launcher = make_launcher(cfg.launcher, run_dir)
+    try:
+        tracker = make_tracker(cfg.tracking)
+    except BaseException:
+        launcher.close()
+        raise
     world = cfg.nodes * cfg.procs_per_node
     tracker.start(
         run_dir.name,

@@ -24,7 +24,7 @@ from training.config import (
 )
 
 RESOURCES = ("driver", "one_device", "world")
-LAUNCHERS = ("local",)
+LAUNCHERS = ("local", "ray", "slurm")
 BACKENDS = ("auto", "gloo", "nccl")
 TRACKERS = ("mlflow", "none")
 
@@ -71,6 +71,42 @@ class LauncherConfig:
     """Collective timeout: a rank that waits longer on a peer fails instead of hanging."""
     grace_s: float = 10.0
     """After one rank fails, how long the others get to exit on their own before being killed."""
+    address: str | None = None
+    """ray: null starts a local Ray instance for the invocation (and stops it at the end);
+    `auto` or `ray://host:port` joins an existing cluster and leaves it running."""
+    spread_nodes: bool = False
+    """ray: place every worker on a different Ray node (STRICT_SPREAD) instead of packing them."""
+    max_failures: int = 0
+    """ray: worker-group restarts allowed; a restarted train resumes from its last checkpoint."""
+    cpus_per_worker: float = 1.0
+    """ray: CPUs reserved per worker (GPUs: one per worker when CUDA is available)."""
+    partition: str | None = None
+    """slurm: partition (-p)."""
+    account: str | None = None
+    """slurm: account (-A)."""
+    qos: str | None = None
+    """slurm: quality of service."""
+    constraint: str | None = None
+    """slurm: node features (-C)."""
+    gpus_per_node: int | None = None
+    """slurm: GPUs per node; null requests none."""
+    cpus_per_task: int = 1
+    """slurm: CPUs per task (rank)."""
+    mem_gb: float | None = None
+    """slurm: memory per node in GB; null leaves the partition's default."""
+    timeout_min: int = 60
+    """slurm: time limit of each job, in minutes."""
+    setup: list[str] = field(default_factory=list)
+    """slurm: shell lines run before each task (e.g. `module load cuda`, `source .venv/bin/activate`)."""
+    additional_parameters: dict[str, str] = field(default_factory=dict)
+    """slurm: other sbatch options, e.g. {exclusive: ""}."""
+    submit_only: bool = False
+    """slurm: submit one batch job that runs the whole pipeline on the cluster, print its id and
+    where its outputs will be, and return at once."""
+    max_requeues: int = 3
+    """slurm: how often a preempted or timed-out job is requeued and resumed from its checkpoint."""
+    poll_s: float = 1.0
+    """slurm: seconds between job-state polls (a progress line per job while waiting)."""
 
     def __post_init__(self) -> None:
         if self.name not in LAUNCHERS:
@@ -81,6 +117,20 @@ class LauncherConfig:
             raise ConfigError("timeout_s", self.timeout_s, "must be a number of seconds > 0")
         if self.grace_s < 0:
             raise ConfigError("grace_s", self.grace_s, "must be a number of seconds >= 0")
+        for key in ("max_failures", "max_requeues"):
+            if getattr(self, key) < 0:
+                raise ConfigError(key, getattr(self, key), "must be an integer >= 0")
+        for key in ("cpus_per_worker", "poll_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(key, getattr(self, key), "must be a number > 0")
+        if self.cpus_per_task < 1 or self.timeout_min < 1:
+            key = "cpus_per_task" if self.cpus_per_task < 1 else "timeout_min"
+            raise ConfigError(key, getattr(self, key), "must be an integer >= 1")
+        if self.gpus_per_node is not None and self.gpus_per_node < 0:
+            raise ConfigError("gpus_per_node", self.gpus_per_node, "must be an integer >= 0, or null")
+        if self.address is not None and not (self.address == "auto" or self.address.startswith("ray://")
+                                             or ":" in self.address):
+            raise ConfigError("address", self.address, "must be null (start a local Ray), auto, ray://host:port or host:port")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from training.dist import synchronize
 from training.flops import flops_per_sample
 from training.memory import device_memory_bytes, measure_step
 from training.models import loss_fn
-from training.parallel import resolve_dims
+from training.parallel.compose import resolve_dims
 
 GIB = 1024**3
 TIMED_STEPS = 3

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from training.flops import peak_flops
 from training.loop import lr_lambda, train_loop
 from training.memory import StepProbe
 from training.models import logits_loss, tokens_per_sample
-from training.parallel import build_optimizer, parallelize
+from training.parallel.compose import build_optimizer, parallelize
 
 GIB = 1024**3
 
@@ -78,6 +79,8 @@ class TrainResult:
     device: str
     ranks_in_sync: bool
     """Ranks holding the same pipeline stage ended with bitwise-identical full parameters."""
+    bucket_allreduce_ms: list[float]
+    """strategy.time_buckets: each DDP bucket all-reduce's time, launch to completion, in order."""
 
     def metrics(self) -> list[tuple[str, float, int]]:
         out = [("train/loss", loss, step) for step, loss in enumerate(self.losses, 1)]
@@ -102,6 +105,9 @@ class TrainResult:
         }
         if self.mfu_pct is not None:
             scalars["train/mfu_pct"] = self.mfu_pct
+        if self.bucket_allreduce_ms:
+            scalars["comm/ddp_bucket_allreduce_ms_median"] = statistics.median(self.bucket_allreduce_ms)
+            out += [("comm/ddp_bucket_allreduce_ms", ms, i) for i, ms in enumerate(self.bucket_allreduce_ms)]
         return out + [(k, v, 0) for k, v in scalars.items()]
 
     def headline(self) -> str:
@@ -198,5 +204,6 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
         flops_per_sample=plan.flops_per_sample,
         mfu_pct=100 * plan.flops_per_sample * per_device / peak if peak else None,
         device=str(bench.dev),
+        bucket_allreduce_ms=parallel.bucket_timer.ms if parallel.bucket_timer is not None else [],
         ranks_in_sync=all(len({d for s, d in digests if s == k}) == 1 for k in {s for s, _ in digests}),
     )

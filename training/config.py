@@ -138,6 +138,8 @@ class StrategyConfig:
     """DDP gradient bucket size in MiB."""
     find_unused_parameters: bool = False
     """DDP: tolerate parameters that get no gradient (costs a graph traversal per step)."""
+    time_buckets: bool = False
+    """DDP/zero1: time each gradient bucket's all-reduce through a comm hook and log it."""
 
     def __post_init__(self) -> None:
         _one_of("name", self.name, STRATEGIES)

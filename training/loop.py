@@ -18,7 +18,7 @@ import torch
 from training.data import GlobalBatches
 from training.dist import all_reduce_sum, synchronize
 from training.memory import StepMemory, StepProbe
-from training.parallel import Parallel, clip_grad_norm
+from training.parallel.compose import Parallel, clip_grad_norm
 
 
 @dataclass(frozen=True)

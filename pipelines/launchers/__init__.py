@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pipelines.launchers.base import Launcher, StageFailed, Task, WorldSpec
 from pipelines.schema import LauncherConfig
 
 
-def make_launcher(cfg: LauncherConfig) -> Launcher:
-    """The launcher named by `launcher.name`."""
+def make_launcher(cfg: LauncherConfig, run_dir: Path) -> Launcher:
+    """The launcher named by `launcher.name`, for an invocation whose Hydra run dir is `run_dir`.
+    A launcher that cannot reach its cluster raises ConfigError here, before anything runs."""
     if cfg.name == "local":
         from pipelines.launchers.local import LocalLauncher
 
         return LocalLauncher(cfg)
+    if cfg.name == "ray":
+        from pipelines.launchers.ray import RayLauncher
+
+        return RayLauncher(cfg, run_dir)
+    if cfg.name == "slurm":
+        from pipelines.launchers.slurm import SlurmLauncher
+
+        return SlurmLauncher(cfg, run_dir)
     raise AssertionError(f"unvalidated launcher {cfg.name}")
 
 

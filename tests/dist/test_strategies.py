@@ -109,3 +109,12 @@ def test_tp_halves_the_block_linears_and_pp_keeps_one_stage():
 def test_auto_takes_the_plan_recommendation():
     result = run(StrategyConfig(name="auto"), 2)
     assert result.strategy == "zero3" and result.strategy_from_plan
+
+
+def test_ddp_bucket_timing_records_every_bucket_of_every_step():
+    result = run(StrategyConfig(name="ddp", time_buckets=True, bucket_cap_mb=0.05), 2)
+    assert result.losses == pytest.approx(reference().losses, **TOL)
+    steps = len(result.losses)
+    assert len(result.bucket_allreduce_ms) >= 2 * steps, "a 50 KB cap splits the model into several buckets"
+    # (DDP rebuilds its buckets after the first step, so the count per step may change once.)
+    assert min(result.bucket_allreduce_ms) > 0

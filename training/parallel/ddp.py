@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from training.dist import world_size
@@ -29,3 +33,37 @@ def apply_ddp(
         find_unused_parameters=find_unused_parameters,
         process_group=process_group,
     )
+
+
+class BucketTimer:
+    """A DDP comm hook that all-reduces each gradient bucket as DDP would, and records the wall
+    time from launching the bucket's all-reduce to its completion (the seed's hand-made
+    "how long does each bucket take")."""
+
+    def __init__(self) -> None:
+        self.ms: list[float] = []
+
+    def __call__(self, process_group: ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future:
+        start = time.perf_counter()
+        future = default_hooks.allreduce_hook(process_group, bucket)
+
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            self.ms.append((time.perf_counter() - start) * 1e3)
+            return fut.value()
+
+        return future.then(done)
+
+
+def time_buckets(model: nn.Module) -> BucketTimer | None:
+    """Register a BucketTimer on a DDP-wrapped model; None for anything else."""
+    if not isinstance(model, DistributedDataParallel):
+        return None
+    timer = BucketTimer()
+
+    # Unannotated on purpose: DDP checks a hook's annotations against the real classes, and this
+    # module's annotations are strings (from __future__ import annotations).
+    def hook(state, bucket):  # noqa: ANN001, ANN202
+        return timer(state, bucket)
+
+    model.register_comm_hook(model.process_group, hook)
+    return timer

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -74,6 +76,8 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
         """The 4-D mesh over the default process group, and its flattened data-parallel mesh
         (dp_replicate x dp_shard: every rank that sees different data)."""
+        from torch.distributed.device_mesh import init_device_mesh  # torch is imported only when used
+
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")

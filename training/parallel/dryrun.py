@@ -13,7 +13,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from training.config import DataConfig, ModelConfig, StrategyConfig
 from training.memory import tensor_bytes
 from training.models import build_model, logits_loss
-from training.parallel import parallelize, resolve_dims
+from training.parallel.compose import parallelize, resolve_dims
 
 ADAM_STATES = 2
 

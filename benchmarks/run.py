@@ -1,0 +1,162 @@
+"""`make bench`: every figure is a ratio of two things measured side by side in the same run
+(alternating, repeated, median), so a noisy shared machine moves both alike.
+
+Prints each comparison and writes benchmarks/RESULTS.md with the machine, date and commit. Exits 0
+whatever the numbers (it measures, it doesn't gate); exits 1 if a comparison could not run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from stages.train import TrainInputs  # noqa: E402
+from tests.helpers import run_world  # noqa: E402
+from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig  # noqa: E402
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    ours: float
+    theirs: float
+    unit: str
+    goal: str
+
+    @property
+    def ratio(self) -> float:
+        return self.ours / self.theirs if self.theirs else float("nan")
+
+    def line(self) -> str:
+        return f"| {self.name} | {self.ours:.4g} {self.unit} | {self.theirs:.4g} {self.unit} | {self.ratio:.3f} | {self.goal} |"
+
+
+def bench_train_loop() -> list[Row]:
+    """1. The train stage's steady-state samples/s vs a minimal hand-written loop, world 2."""
+    rows = []
+    model = ModelConfig(d_model=128, n_layers=4, n_heads=4, seq_len=64)
+    train = TrainConfig(steps=40, micro_batch=8, lr=1e-3, log_every=10, timing_warmup=5, schedule="constant")
+    for name in ("ddp", "zero3"):
+        inputs = TrainInputs(train, model, DataConfig(num_samples=1024), StrategyConfig(name=name), seed=0)
+        got = run_world("benchmarks.workers:train_vs_hand", inputs, world=2, timeout_s=600)
+        rows.append(Row(f"train loop, {name}, world 2 (samples/s: train stage vs hand-written)",
+                        got["ours"], got["theirs"], "samples/s", ">= 0.98"))
+    return rows
+
+
+def bench_probe() -> list[Row]:
+    """3. The bandwidth stage's all_reduce busbw vs a bare dist.all_reduce loop, same processes."""
+    sizes = [1 * MIB, 16 * MIB, 64 * MIB]
+    got = run_world("benchmarks.workers:probe_vs_bare", sizes, world=2, timeout_s=600)
+    return [Row(f"probe fidelity, all_reduce {size // MIB} MiB, world 2 (busbw: probe vs bare loop)",
+                got[size]["ours"], got[size]["theirs"], "GB/s", ">= 0.95") for size in sizes]
+
+
+def _cli(cwd: Path, *args: str) -> tuple[float, subprocess.CompletedProcess]:
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"run.py {' '.join(args)} failed: {done.stderr[-2000:]}")
+    return time.perf_counter() - start, done
+
+
+def bench_cache() -> list[Row]:
+    """4. A no-op re-run of the full default pipeline vs its first run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        first, _ = _cli(Path(tmp), "tracking=none", "hydra.run.dir=first")
+        again, _ = _cli(Path(tmp), "tracking=none", "hydra.run.dir=again")
+        statuses = {s["status"] for s in json.loads((Path(tmp) / "again/summary.json").read_text())["stages"].values()}
+    if statuses != {"cached"}:
+        raise RuntimeError(f"the re-run ran stages: {statuses}")
+    return [Row("cache, no-op re-run of the default pipeline vs first run (no stage ran)", again, first, "s",
+                "re-run <= 1.5 s")]
+
+
+def _median_seconds(cmd: list[str], repeats: int = 5) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        subprocess.run(cmd, cwd=ROOT, capture_output=True, check=True, timeout=120)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def bench_startup() -> list[Row]:
+    """5. `run.py --help` and `--cfg job` vs `python -c "import hydra"`, alternating."""
+    runs: dict[str, list[float]] = {"help": [], "cfg": [], "hydra": []}
+    for _ in range(5):
+        runs["help"] += _median_seconds([sys.executable, "run.py", "--help"], 1)
+        runs["cfg"] += _median_seconds([sys.executable, "run.py", "--cfg", "job"], 1)
+        runs["hydra"] += _median_seconds([sys.executable, "-c", "import hydra"], 1)
+    base = statistics.median(runs["hydra"])
+    return [Row("start-up, run.py --help vs python -c 'import hydra'", statistics.median(runs["help"]), base, "s", "-"),
+            Row("start-up, run.py --cfg job vs python -c 'import hydra'", statistics.median(runs["cfg"]), base, "s", "-")]
+
+
+def bench_tracking() -> list[Row]:
+    """2. train with MLflow logging vs tracking=none: the stage's samples/s, alternating."""
+    on, off = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        args = ["experiment=smoke", "train.steps=60", "only=[train]", "force=[train]"]
+        for i in range(3):
+            for tracking, bucket in (("mlflow", on), ("none", off)):
+                _cli(Path(tmp), *args, f"tracking={tracking}", f"hydra.run.dir=r{i}{tracking}")
+                summary = json.loads((Path(tmp) / f"r{i}{tracking}/summary.json").read_text())
+                bucket.append(summary["stages"]["train"]["result"]["samples_per_s"])
+    return [Row("tracking, train samples/s with MLflow vs tracking=none", statistics.median(on),
+                statistics.median(off), "samples/s", ">= 0.98")]
+
+
+BENCHES = [bench_train_loop, bench_tracking, bench_probe, bench_cache, bench_startup]
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    import torch
+
+    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
+            f"{time.strftime('%Y-%m-%d')}, commit {commit.strip() or 'unknown'}")
+
+
+def main() -> int:
+    rows, failures = [], []
+    for bench in BENCHES:
+        print(f"== {bench.__doc__.splitlines()[0]}", flush=True)
+        try:
+            for row in bench():
+                rows.append(row)
+                print(f"   {row.name}: {row.ours:.4g} vs {row.theirs:.4g} {row.unit}, ratio {row.ratio:.3f} "
+                      f"(goal {row.goal})", flush=True)
+        except Exception:  # noqa: BLE001 - report every failed comparison, then fail
+            failures.append(bench.__name__)
+            traceback.print_exc()
+    text = [f"# Benchmark results\n\nMachine: {machine()}\n",
+            "Each ratio is ours / reference, measured side by side in one run (median of repeats).\n",
+            "| comparison | ours | reference | ratio | goal |", "|---|---:|---:|---:|---|"]
+    text += [row.line() for row in rows]
+    if failures:
+        text.append(f"\nCould not run: {', '.join(failures)}")
+    (ROOT / "benchmarks" / "RESULTS.md").write_text("\n".join(text) + "\n")
+    print(f"wrote {ROOT / 'benchmarks' / 'RESULTS.md'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Worker functions the benchmarks run on real ranks: each measures two things in the same
+processes, alternating, so that machine noise hits both alike."""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from stages.train import TrainInputs
+from stages.train import run as train_stage
+from training.data import GlobalBatches, make_pool
+from training.dist import device, rank, synchronize, world_size
+from training.models import build_model, loss_fn
+
+
+def hand_written_loop(inputs: TrainInputs) -> float:
+    """The same model, batches and strategy as plain PyTorch: samples/s after warm-up."""
+    t, dev = inputs.train, device()
+    model = build_model(inputs.model, inputs.data, inputs.seed).to(dev)
+    if inputs.strategy.name == "zero3":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers.values():
+            fully_shard(block)
+        fully_shard(model)
+    elif world_size() > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    x, y = (p.to(dev) for p in make_pool(inputs.data, inputs.model, inputs.seed))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr)
+    batches = GlobalBatches(inputs.data.num_samples, t.micro_batch, 1, rank(), world_size(), inputs.seed)
+    for step in range(t.steps):
+        if step == t.timing_warmup:
+            synchronize(dev)
+            start = time.perf_counter()
+        rows = batches.rows(step, 0).to(dev)
+        loss_fn(model, x[rows], y[rows]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    synchronize(dev)
+    return (t.steps - t.timing_warmup) * batches.global_batch / (time.perf_counter() - start)
+
+
+def train_vs_hand(inputs: TrainInputs, repeats: int = 5) -> dict:
+    """Median samples/s of the train stage and of the hand-written loop, alternating."""
+    ours, theirs = [], []
+    plan, lr_find = SimpleNamespace(flops_per_sample=1.0), SimpleNamespace(scaled_lr=inputs.train.lr)
+    for _ in range(repeats):
+        ckpt = Path(tempfile.mkdtemp())
+        ours.append(train_stage(inputs, plan=plan, lr_find=lr_find, baseline=None, checkpoints=ckpt).samples_per_s)
+        theirs.append(hand_written_loop(inputs))
+    return {"ours": statistics.median(ours), "theirs": statistics.median(theirs)}
+
+
+def probe_vs_bare(sizes: list[int], repeats: int = 5, iters: int = 20) -> dict:
+    """all_reduce busbw from the bandwidth probe and from a bare timing loop, per size."""
+    from training.collectives import measure
+
+    dev = device()
+    n = world_size()
+    out = {}
+    for size in sizes:
+        ours, bare = [], []
+        for _ in range(repeats):
+            ours.append(measure("all_reduce", size, 5, iters, dev).busbw_gbps)
+            tensor = torch.zeros(size // 4, device=dev)
+            for _ in range(5):
+                dist.all_reduce(tensor)
+            dist.barrier()
+            synchronize(dev)
+            start = time.perf_counter()
+            for _ in range(iters):
+                dist.all_reduce(tensor)
+            synchronize(dev)
+            elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            bare.append(size / elapsed.item() / 1e9 * 2 * (n - 1) / n)
+        out[size] = {"ours": statistics.median(ours), "theirs": statistics.median(bare)}
+    return out
+
+
+

@@ -1,0 +1,211 @@
+"""One model-agnostic `apply_<technique>` per parallelism, composed here in torchtitan's order:
+PP split -> TP -> activation checkpointing -> FSDP (ZeRO-2/3, HSDP) or DDP (with ZeRO-1's
+sharded optimizer for zero1).
+
+`parallelize` returns a `Parallel`: this rank's part of the model and the few operations the
+training loop needs, so that the loop itself is the same for every strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from training.config import StrategyConfig
+from training.dist import is_dist, rank, world_size
+from training.parallel.ac import apply_ac
+from training.parallel.ddp import BucketTimer, apply_ddp, time_buckets
+from training.parallel.dims import ParallelDims
+from training.parallel.fsdp import apply_fsdp
+from training.parallel.pp import apply_pp, build_schedule, is_first, is_last
+from training.parallel.tp import apply_tp
+
+LogitsLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Parallel:
+    dims: ParallelDims
+    model: nn.Module
+    """This rank's part of the model, wrapped: what the optimizer steps."""
+    dp_rank: int
+    """Which slice of each global batch this rank trains on."""
+    first_stage: bool
+    last_stage: bool
+    forward_backward: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    """(inputs, targets, scale) -> this rank's detached loss x scale (0 where it computes none)."""
+    no_sync: Callable[[], contextlib.AbstractContextManager]
+    """Context that defers the gradient reduction (all but the last accumulation micro-batch)."""
+    pp_group: dist.ProcessGroup | None
+    scaler: torch.amp.GradScaler | None
+    shard_optimizer: bool
+    dp_group: dist.ProcessGroup | None
+    bucket_timer: BucketTimer | None
+    """Per-bucket all-reduce times (strategy.time_buckets with DDP)."""
+
+    @property
+    def loss_owners(self) -> int:
+        """Ranks that compute a loss each step (the last pipeline stage of every replica)."""
+        return self.dims.world_size // self.dims.pp
+
+
+def resolve_dims(strategy: StrategyConfig, world: int) -> ParallelDims:
+    d = strategy.degrees()
+    return ParallelDims.resolve(d["dp_replicate"], d["dp_shard"], d["tp"], d["pp"], world)
+
+
+def parallelize(model: nn.Module, strategy: StrategyConfig, dev: torch.device, logits_loss: LogitsLoss,
+                layout_only: bool = False) -> Parallel:
+    """Apply `strategy` to `model` (already on `dev`) over the default process group.
+
+    `layout_only` stops at the sharded model (no DDP wrapper, no pipeline schedule): what a dry
+    run on a fake process group and the meta device needs to measure each rank's share."""
+    dims = resolve_dims(strategy, world_size())
+    dtype = DTYPES[strategy.precision]
+    mesh, dp_mesh = dims.build_mesh(dev.type) if is_dist() and dims.world_size > 1 else (None, None)
+    first = last = True
+    if dims.pp_enabled:
+        model = apply_pp(model, mesh["pp"])
+        first, last = is_first(mesh["pp"]), is_last(mesh["pp"])
+    if dims.tp_enabled:
+        apply_tp(model, mesh["tp"])
+    if strategy.activation_checkpointing == "full":
+        apply_ac(model)
+    # DDP cannot replicate DTensor (TP) parameters: replicas of a TP model go through HSDP instead.
+    fsdp = dims.fsdp_enabled or (dims.dp_replicate_enabled and dims.tp_enabled)
+    dp_group = None
+    if fsdp:
+        shard_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate_enabled else mesh["dp_shard"]
+        apply_fsdp(model, shard_mesh, strategy.reshard, dtype)
+        dp_group = dp_mesh.get_group()
+    elif dims.dp_replicate_enabled and not layout_only:
+        dp_group = mesh["dp_replicate"].get_group()
+        model = apply_ddp(model, dev, strategy.bucket_cap_mb,
+                          strategy.find_unused_parameters or dims.pp_enabled, process_group=dp_group)
+    autocast = dtype is not None and not fsdp
+    scaler = _scaler(strategy, fsdp)
+    coords = dims.coordinates(rank()) if mesh is not None else {"dp": 0}
+    pp_group = mesh["pp"].get_group() if dims.pp_enabled else None
+
+    def ctx():
+        return torch.autocast(dev.type, dtype=dtype) if autocast else contextlib.nullcontext()
+
+    if layout_only:
+        forward_backward = _plain_step(model, logits_loss, ctx, scaler)
+    elif dims.pp_enabled:
+        loss_box = _ScaledLoss(logits_loss)
+        schedule = build_schedule(model, mesh["pp"], dev, strategy.microbatches, strategy.pp_schedule, loss_box)
+        forward_backward = _pipeline_step(schedule, loss_box, first, last, dev, ctx, scaler)
+    else:
+        forward_backward = _plain_step(model, logits_loss, ctx, scaler)
+    no_sync = getattr(model, "no_sync", None) or contextlib.nullcontext
+    if fsdp:
+        no_sync = _fsdp_no_sync(model)
+    timer = time_buckets(model) if strategy.time_buckets else None
+    return Parallel(dims, model, coords["dp"], first, last, forward_backward, no_sync, pp_group, scaler,
+                    strategy.shards_optimizer_only, dp_group, timer)
+
+
+class _ScaledLoss:
+    """The pipeline's loss function, scaled by 1/accumulation for the step it runs in."""
+
+    def __init__(self, logits_loss: LogitsLoss):
+        self.logits_loss, self.scale = logits_loss, 1.0
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.logits_loss(output, target) * self.scale
+
+
+def _plain_step(model: nn.Module, logits_loss: LogitsLoss, ctx, scaler) -> Callable:
+    def step(inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+        with ctx():
+            loss = logits_loss(model(inputs), targets) * scale
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        return loss.detach().float()
+
+    return step
+
+
+def _pipeline_step(schedule, loss_box: _ScaledLoss, first: bool, last: bool, dev, ctx, scaler) -> Callable:
+    if scaler is not None:
+        raise ValueError("strategy.precision=fp16 is not supported with pipeline parallelism; use bf16")
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+        loss_box.scale = scale
+        losses: list[torch.Tensor] = []
+        with ctx():
+            if first and last:
+                schedule.step(inputs, target=targets, losses=losses)
+            elif first:
+                schedule.step(inputs)
+            elif last:
+                schedule.step(target=targets, losses=losses)
+            else:
+                schedule.step()
+        if not losses:
+            return torch.zeros((), device=dev)
+        # The schedule scales gradients by 1/microbatches; the reported loss is their mean.
+        return torch.stack([loss.detach().float() for loss in losses]).mean()
+
+    return step
+
+
+def _fsdp_no_sync(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
+    @contextlib.contextmanager
+    def no_sync():
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    return no_sync
+
+
+def _scaler(strategy: StrategyConfig, fsdp: bool) -> torch.amp.GradScaler | None:
+    if strategy.precision != "fp16":
+        return None
+    if fsdp:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler("cuda")
+    return torch.amp.GradScaler("cuda")
+
+
+def build_optimizer(parallel: Parallel, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW over this rank's parameters; zero1 shards its state over the data-parallel ranks."""
+    params = [p for p in parallel.model.parameters() if p.requires_grad]
+    if parallel.shard_optimizer and parallel.dp_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=parallel.dp_group,
+                                       lr=lr, weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def clip_grad_norm(parallel: Parallel, max_norm: float) -> torch.Tensor:
+    """Clip by the global gradient norm over every rank's part of the model (sharded gradients are
+    DTensors; pipeline stages each hold some layers, so their squared norms are summed)."""
+    # TP mixes DTensor gradients with plain (replicated) ones, and FSDP+TP puts DTensors on two
+    # meshes; norms don't mix those, so take each group's norm and combine the squares.
+    params = [p for p in parallel.model.parameters() if p.grad is not None]
+    by_mesh: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    groups = list(by_mesh.values())
+    squared = torch.zeros((), device=params[0].device if params else None)
+    for group in groups:
+        norm = nn.utils.get_total_norm([p.grad for p in group])
+        squared = squared + (norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
+    if parallel.pp_group is not None:
+        dist.all_reduce(squared, group=parallel.pp_group)
+    norm = squared.sqrt()
+    for group in groups:
+        nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+    return norm
