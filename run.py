@@ -38,6 +38,13 @@ def app(dcfg: DictConfig) -> None:
             print(format_layout(plan_layout(cfg.model, cfg.data, cfg.strategy, world), cfg.strategy, world))
             EXIT_CODES.append(0)
             return
+        if cfg.launcher.submit_only:
+            from pipelines.launchers.slurm_batch import submit_pipeline
+
+            hydra_cfg = HydraConfig.get()
+            print(submit_pipeline(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)))
+            EXIT_CODES.append(0)
+            return
         summary = run_pipeline(cfg, Path(HydraConfig.get().runtime.output_dir))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

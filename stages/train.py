@@ -23,6 +23,7 @@ from training.data import GlobalBatches
 from training.dist import gather_objects, rank
 from training.flops import peak_flops
 from training.loop import lr_lambda, train_loop
+from training.lr_finder import scale_lr
 from training.memory import StepProbe
 from training.models import logits_loss, tokens_per_sample
 from training.parallel.compose import build_optimizer, parallelize
@@ -134,6 +135,15 @@ def resolve_strategy(strategy: StrategyConfig, plan: PlanResult) -> tuple[Strate
     return dataclasses.replace(strategy, name=plan.recommended_strategy), True
 
 
+def learning_rate(t: TrainConfig, lr_find: LrFindResult, global_batch: int) -> tuple[float, str]:
+    """train.lr, else lr_find's suggestion carried by its rule to the batch this run really uses
+    (the scaled run's batch; the 1-device baseline's smaller one, so it doesn't diverge)."""
+    if t.lr is not None:
+        return t.lr, "train.lr"
+    lr = scale_lr(lr_find.suggested_lr, lr_find.lr_scaling, lr_find.finder_batch, global_batch)
+    return lr, f"lr_find ({lr_find.lr_scaling} rule, batch {lr_find.finder_batch} -> {global_batch})"
+
+
 def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: TrainResult | None,
         checkpoints: Path) -> TrainResult:
     t = cfg.train
@@ -141,7 +151,9 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
     bench = workbench(cfg.model, cfg.data, cfg.seed)
     parallel = parallelize(bench.model, strategy, bench.dev, logits_loss)
     dims = parallel.dims
-    peak_lr, lr_source = (t.lr, "train.lr") if t.lr is not None else (lr_find.scaled_lr, "lr_find.scaled_lr")
+    batches = GlobalBatches(cfg.data.num_samples, t.micro_batch_for(dims.dp_size), t.grad_accum, parallel.dp_rank,
+                            dims.dp_size, cfg.seed)
+    peak_lr, lr_source = learning_rate(t, lr_find, batches.global_batch)
     optimizer = build_optimizer(parallel, peak_lr, t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.warmup_steps, t.steps, t.schedule))
     layout = checkpoint.Layout(strategy.name, dims.world_size)
@@ -151,8 +163,6 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
         scheduler.step()
     if resume:
         log("train", f"resumed from the checkpoint of step {resume.step}")
-    batches = GlobalBatches(cfg.data.num_samples, t.micro_batch_for(dims.dp_size), t.grad_accum, parallel.dp_rank,
-                            dims.dp_size, cfg.seed)
     stats = train_loop(
         parallel, optimizer, scheduler, bench.pool, batches, t.steps, t.grad_clip, t.log_every, t.timing_warmup,
         bench.dev,

@@ -19,15 +19,19 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import socket
 import sys
 import tempfile
+import time
+import traceback
 import uuid
 from pathlib import Path
 from typing import Any
 
 import ray
+import ray.exceptions
 import ray.train
 import torch
 from ray.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
@@ -100,7 +104,7 @@ class RayLauncher:
     def run(self, task: Task, world: WorldSpec) -> Any:
         workdir = Path(task.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
-        for stale in workdir.glob("error-rank*.json"):
+        for stale in [*workdir.glob("error-rank*.json"), *workdir.glob("rank*.pid")]:
             stale.unlink()
         use_gpu = torch.cuda.is_available()
         _check_resources(task.stage, world, self.cfg, use_gpu)
@@ -128,16 +132,16 @@ class RayLauncher:
         except ray.train.WorkerGroupError as err:
             raise StageFailed(_describe_failure(err.worker_failures, workdir)) from None
         except ray.train.ControllerError as err:
-            raise StageFailed(f"Ray Train failed: {_first_line(err.controller_failure)} (logs: {workdir})") from None
+            raise StageFailed(_describe_controller_failure(err.controller_failure, workdir)) from None
         encoded = (result.metrics or {}).get(RESULT_KEY)
         if encoded is None:
             raise StageFailed(f"{task.stage}: rank 0 finished but reported no result (logs: {workdir}/rank0.log)")
         return pickle.loads(base64.b64decode(encoded))
 
     def close(self) -> None:
-        """Stop the Ray instance this launcher started; a joined cluster keeps running."""
-        if self.started:
-            ray.shutdown()
+        """Stop the Ray instance this launcher started; from a joined cluster, only disconnect
+        this driver (ray.shutdown does not stop a cluster it did not start)."""
+        ray.shutdown()
         for key, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -194,6 +198,19 @@ def _describe_failure(failures: dict[int, Exception], workdir: Path) -> str:
     return f"rank {rank} failed: {report['type']}: {report['message']} (logs: {workdir})"
 
 
+def _describe_controller_failure(err: BaseException, workdir: Path) -> str:
+    """A worker process that died (SIGKILL, OOM, segfault) surfaces as the controller's error;
+    its pid, matched against the pid files the workers left, names the rank."""
+    match = re.search(r"\bpid: (\d+)", str(err))
+    if isinstance(err, ray.exceptions.RayActorError) and match:
+        for path in workdir.glob("rank*.pid"):
+            if path.read_text().strip() == match.group(1):
+                rank = path.name.removeprefix("rank").removesuffix(".pid")
+                return (f"rank {rank} died: its process {match.group(1)} exited unexpectedly (killed, "
+                        f"out of memory or crashed) (logs: {workdir})")
+    return f"Ray Train failed: {_first_line(err)} (logs: {workdir})"
+
+
 def _first_line(err: BaseException) -> str:
     lines = [line for line in str(err).strip().splitlines() if line.strip()]
     return f"{type(err).__name__}: {lines[0] if lines else ''}"
@@ -209,17 +226,17 @@ def _train_fn(config: dict[str, Any]) -> None:
         # one_device stages run without a process group, as under launcher=local.
         torch.distributed.destroy_process_group()
     workdir = Path(task.workdir)
+    (workdir / f"rank{rank}.pid").write_text(str(os.getpid()))
     with _redirect_output(workdir / f"rank{rank}.log"):
         result = _run_reporting_errors(task, rank, workdir)
+    if rank != 0:
+        # The call is collective: every rank reports once, only rank 0 carries the result.
+        ray.train.report({})
+        return
+    data = pickle.dumps(result)
     with tempfile.TemporaryDirectory(prefix="ss-result-") as tmp:
-        checkpoint = None
-        if rank == 0:
-            data = pickle.dumps(result)
-            write_atomic(Path(tmp) / RESULT_FILE, data)
-            checkpoint = Checkpoint.from_directory(tmp)
-            metrics = {RESULT_KEY: base64.b64encode(data).decode()}
-        # Every rank reports once (the call is collective); only rank 0 carries the result.
-        ray.train.report(metrics if rank == 0 else {}, checkpoint=checkpoint)
+        write_atomic(Path(tmp) / RESULT_FILE, data)
+        ray.train.report({RESULT_KEY: base64.b64encode(data).decode()}, checkpoint=Checkpoint.from_directory(tmp))
 
 
 def _set_worker_env(ctx: Any) -> None:
@@ -243,9 +260,6 @@ def _run_reporting_errors(task: Task, rank: int, workdir: Path) -> Any:
     try:
         return run_task(task)
     except BaseException as err:
-        import time
-        import traceback
-
         report = {"type": type(err).__name__, "message": str(err).strip(), "traceback": traceback.format_exc(),
                   "time": time.time()}
         write_atomic(workdir / ERROR_FILE.format(rank=rank), json.dumps(report).encode())

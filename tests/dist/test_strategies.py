@@ -57,7 +57,7 @@ def test_world2_matches_one_process(name):
     assert result.ranks_in_sync
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero3", "pp-gpipe"])
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "pp-gpipe", "ddp-ac"])
 def test_mlp_matches_one_process(name):
     result = run(WORLD2[name], 2, MLP)
     assert result.losses == pytest.approx(reference(MLP).losses, **TOL)

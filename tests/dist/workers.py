@@ -46,7 +46,7 @@ def train_ddp(inputs: object) -> object:
     from stages.train import run
 
     plan = SimpleNamespace(flops_per_sample=1.0)
-    lr_find = SimpleNamespace(scaled_lr=1e-2)
+    lr_find = SimpleNamespace(suggested_lr=1e-2, lr_scaling="none", finder_batch=8)
     return run(inputs, plan=plan, lr_find=lr_find, baseline=None, checkpoints=Path(tempfile.mkdtemp()))
 
 
@@ -59,7 +59,7 @@ def train_any(inputs: object) -> object:
 
     inputs, ckpt = inputs
     plan = SimpleNamespace(flops_per_sample=1.0, recommended_strategy="zero3")
-    return run(inputs, plan=plan, lr_find=SimpleNamespace(scaled_lr=1e-2), baseline=None, checkpoints=Path(ckpt))
+    return run(inputs, plan=plan, lr_find=SimpleNamespace(suggested_lr=1e-2, lr_scaling="none", finder_batch=8), baseline=None, checkpoints=Path(ckpt))
 
 
 def train_crash_once(inputs: object) -> object:

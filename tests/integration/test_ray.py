@@ -1,0 +1,127 @@
+"""launcher=ray on real Ray instances: a private local one (shared by the class that needs it) and a
+2-node `ray.cluster_utils.Cluster` joined by address. Each class starts and stops its own Ray, with
+HOME and RAY_TMPDIR pointed at temporary directories so that nothing lands in ~/.ray or /tmp/ray."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelines.launchers.base import StageFailed, Task, WorldSpec
+from pipelines.schema import LauncherConfig
+from stages.env_check import EnvInputs
+from tests.dist.test_strategies import TOL, train_inputs
+from tests.helpers import run_world
+from training.config import ConfigError, EnvConfig, StrategyConfig
+
+pytestmark = pytest.mark.slow
+
+STEPS, EVERY, KILL = 10, 4, 6
+DDP = StrategyConfig(name="ddp")
+
+
+@pytest.fixture(scope="class")
+def ray_env(tmp_path_factory):
+    """HOME and RAY_TMPDIR in temporary directories (short: Ray's socket paths must stay < 108 chars)."""
+    short = Path(tempfile.mkdtemp(prefix="ss-rt-"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+        mp.setenv("RAY_TMPDIR", str(short))
+        try:
+            yield mp
+        finally:
+            shutil.rmtree(short, ignore_errors=True)
+
+
+def launch(launcher, fn: str, inputs, world: WorldSpec, workdir: Path):
+    return launcher.run(Task(stage="test", fn=fn, inputs=inputs, workdir=workdir), world)
+
+
+def test_an_unreachable_address_is_a_config_error_at_once(tmp_path):
+    from pipelines.launchers.ray import RayLauncher
+
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"launcher\.address='127\.0\.0\.1:1': cannot reach a Ray cluster"):
+        RayLauncher(LauncherConfig(name="ray", address="127.0.0.1:1"), tmp_path)
+    assert time.monotonic() - start < 10
+
+
+class TestLocalInstance:
+    @pytest.fixture(scope="class")
+    def launcher(self, ray_env, tmp_path_factory):
+        from pipelines.launchers.ray import RayLauncher
+
+        launcher = RayLauncher(LauncherConfig(name="ray", max_failures=1, timeout_s=60), tmp_path_factory.mktemp("run"))
+        try:
+            yield launcher
+        finally:
+            launcher.close()
+
+    @pytest.fixture(scope="class")
+    def clean(self, launcher, tmp_path_factory):
+        """An uninterrupted 2-worker ddp run through Ray (checkpointing every EVERY steps)."""
+        tmp = tmp_path_factory.mktemp("clean")
+        inputs = (train_inputs(DDP, steps=STEPS, ckpt_every=EVERY), str(tmp / "ckpt"))
+        return launch(launcher, "tests.dist.workers:train_any", inputs, WorldSpec(2, 1), tmp / "logs")
+
+    def test_two_workers_train_the_same_loss_curve_as_launcher_local(self, clean, tmp_path):
+        local = run_world("tests.dist.workers:train_any", (train_inputs(DDP, steps=STEPS, ckpt_every=EVERY),
+                                                           str(tmp_path / "ckpt")), world=2)
+        assert clean.world_size == 2 and clean.resumed_from == 0 and len(clean.losses) == STEPS
+        assert clean.losses == pytest.approx(local.losses, **TOL)
+
+    def test_a_killed_worker_restarts_the_group_which_resumes_from_the_checkpoint(self, launcher, clean, tmp_path):
+        marker = tmp_path / "killed"
+        inputs = (train_inputs(DDP, steps=STEPS, ckpt_every=EVERY), str(tmp_path / "ckpt"), str(marker), KILL)
+        resumed = launch(launcher, "tests.dist.workers:train_crash_once", inputs, WorldSpec(2, 1), tmp_path / "logs")
+        assert marker.exists(), "rank 1 was never killed"
+        assert resumed.resumed_from == EVERY
+        assert len(resumed.losses) == STEPS and len(resumed.lrs) == STEPS
+        assert resumed.losses == pytest.approx(clean.losses, **TOL)
+
+    def test_more_workers_than_cpus_fail_at_once_saying_what_the_cluster_has(self, launcher, tmp_path):
+        start = time.monotonic()
+        with pytest.raises(StageFailed, match=r"asked for 8 Ray workers x 1 CPU, but the cluster has 1 alive node"):
+            launch(launcher, "tests.dist.workers:ranks_sum", None, WorldSpec(8, 1), tmp_path)
+        assert time.monotonic() - start < 30
+
+
+class TestTwoNodeCluster:
+    @pytest.fixture(scope="class")
+    def launcher(self, ray_env, tmp_path_factory):
+        """Two Ray nodes of one CPU each on this machine, joined by address with spread_nodes."""
+        from ray.cluster_utils import Cluster
+
+        from pipelines.launchers.ray import RayLauncher
+
+        # A new cluster turns on token auth through this variable; restore it afterwards.
+        ray_env.setenv("RAY_AUTH_MODE", "token")
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1}, shutdown_at_exit=False)
+        launcher = None
+        try:
+            cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            cfg = LauncherConfig(name="ray", address=cluster.address, spread_nodes=True, timeout_s=60)
+            launcher = RayLauncher(cfg, tmp_path_factory.mktemp("run"))
+            yield launcher
+        finally:
+            if launcher is not None:
+                launcher.close()
+            cluster.shutdown()
+
+    def test_spread_workers_land_on_two_nodes_and_env_sees_two_nodes(self, launcher, tmp_path):
+        env, node_ids = launch(launcher, "tests.integration.ray_workers:env_with_node_ids",
+                               EnvInputs(EnvConfig()), WorldSpec(2, 1), tmp_path)
+        assert len(set(node_ids)) == 2
+        assert env.world_size == 2 and env.nodes == 2
+        assert sorted(r.node for r in env.ranks) == [0, 1]
+
+    def test_a_spread_world_larger_than_the_cluster_fails_at_once(self, launcher, tmp_path):
+        start = time.monotonic()
+        with pytest.raises(StageFailed, match=r"asked for 4 Ray workers x 1 CPU on 4 distinct nodes .* 2 alive node"):
+            launch(launcher, "tests.dist.workers:ranks_sum", None, WorldSpec(4, 1), tmp_path)
+        assert time.monotonic() - start < 30
