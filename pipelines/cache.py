@@ -30,6 +30,16 @@ PACKAGES = ("pipelines", "stages", "training")
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def digest(data: Any) -> str:
     blob = json.dumps(to_jsonable(data), sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -105,6 +115,13 @@ class Cache:
         """Where a run of this key keeps its checkpoints: the same path when it re-runs after a
         crash, so it resumes; removed once its result is committed."""
         return self.root / stage / f".ckpt-{key}"
+
+    def sweep_stale(self) -> None:
+        """Remove staging directories left by drivers that died mid-write (their pid is gone)."""
+        for path in self.root.glob("*/.tmp-*"):
+            pid = path.name.split("-")[1]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
 
     def staging(self, stage: str) -> Path:
         """A fresh private directory to build an entry in (artifacts go in `artifacts/`)."""

@@ -19,6 +19,7 @@ from pipelines.configtools import flatten, to_jsonable
 from pipelines.dag import Dag, Stage, build, stage_inputs
 from pipelines.launchers import Launcher, StageFailed, Task, WorldSpec, make_launcher
 from pipelines.launchers.worker import run_task
+from pipelines.redact import redact_mapping, redact_text
 from pipelines.schema import Config
 from pipelines.tracking import Tracker, git_commit, make_tracker
 
@@ -40,7 +41,7 @@ class Outcome:
             "status": self.status,
             "seconds": round(self.seconds, 3),
             "key": self.key,
-            "error": self.error,
+            "error": redact_text(self.error) if self.error else None,
             "result": to_jsonable(self.result) if self.result is not None else None,
         }
         if self.baseline is not None:
@@ -67,6 +68,7 @@ class Runner:
         self.cfg, self.run_dir, self.tracker, self.launcher, self.echo = cfg, run_dir, tracker, launcher, echo
         self.dag: Dag = build(cfg.pipeline)
         self.cache = Cache(cfg.cache_dir)
+        self.cache.sweep_stale()
         self.world = WorldSpec(cfg.nodes, cfg.procs_per_node)
 
     def run(self) -> Summary:
@@ -180,8 +182,8 @@ class Runner:
         entry: Entry | None = getattr(outcome, "_entry", None)
         tags = {"cached": str(outcome.status == "cached").lower(), "cache_key": outcome.key or ""}
         if outcome.error:
-            tags["error"] = outcome.error[:5000]
-        params = flatten(to_jsonable(stage_inputs(stage, self.cfg)))
+            tags["error"] = redact_text(outcome.error)[:5000]
+        params = redact_mapping(flatten(to_jsonable(stage_inputs(stage, self.cfg))))
         metrics = entry.metrics if entry else []
         self.tracker.log_stage(stage.name, outcome.status, tags, params, metrics, entry.artifacts if entry else None)
         if stage.name == "report" and entry is not None:
@@ -231,7 +233,7 @@ def run_pipeline(cfg: Config, run_dir: Path, echo=print) -> Summary:
     world = cfg.nodes * cfg.procs_per_node
     tracker.start(
         run_dir.name,
-        params=flatten(to_jsonable(cfg)),
+        params=redact_mapping(flatten(to_jsonable(cfg))),
         tags={
             "strategy": cfg.strategy.name,
             "nodes": str(cfg.nodes),
@@ -244,6 +246,7 @@ def run_pipeline(cfg: Config, run_dir: Path, echo=print) -> Summary:
             "stages": ",".join(dag.order),
             "git_commit": git_commit(),
             "run_dir": str(run_dir),
+            "tracking_uri": redact_text(cfg.tracking.uri),
         },
     )
     try:

@@ -24,6 +24,7 @@ from pipelines.launchers.worker import (
     DEVICE_ENV,
     DISTRIBUTED_ENV,
     ERROR_FILE,
+    PARENT_DEATH_ENV,
     RESULT_FILE,
     TIMEOUT_ENV,
 )
@@ -57,6 +58,7 @@ def worker_env(rank: int, world: WorldSpec, port: int, cfg: LauncherConfig) -> d
             DISTRIBUTED_ENV: "1" if world.distributed else "0",
             # All emulated nodes share this host's GPUs: device = global rank.
             DEVICE_ENV: str(rank),
+            PARENT_DEATH_ENV: "1",
         },
     )
     # Every rank shares this host's cores; unbounded intra-op threads would oversubscribe them.

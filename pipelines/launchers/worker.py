@@ -28,6 +28,20 @@ BACKEND_ENV = "SCALESTUDY_BACKEND"
 TIMEOUT_ENV = "SCALESTUDY_TIMEOUT_S"
 DISTRIBUTED_ENV = "SCALESTUDY_DISTRIBUTED"
 DEVICE_ENV = "SCALESTUDY_DEVICE_INDEX"
+PARENT_DEATH_ENV = "SCALESTUDY_DIE_WITH_PARENT"
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker when the driver that started it dies (even by SIGKILL),
+    so that no worker outlives a killed invocation."""
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the driver died before the request took effect
+        os._exit(1)
 
 
 def resolve_function(path: str) -> Any:
@@ -80,6 +94,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 def main(task_file: str) -> int:
     task_path = Path(task_file)
     rank = int(os.environ.get("RANK", "0"))
+    if os.environ.get(PARENT_DEATH_ENV) == "1" and sys.platform == "linux":
+        die_with_parent()
     try:
         task: Task = pickle.loads(task_path.read_bytes())
         _setup_torch()

@@ -98,8 +98,6 @@ class TestTwoNodeCluster:
 
         from pipelines.launchers.ray import RayLauncher
 
-        # A new cluster turns on token auth through this variable; restore it afterwards.
-        ray_env.setenv("RAY_AUTH_MODE", "token")
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1}, shutdown_at_exit=False)
         launcher = None
         try:

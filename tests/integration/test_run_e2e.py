@@ -141,3 +141,65 @@ def test_dry_run_plans_a_32_rank_layout_in_seconds(tmp_path):
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert [row[0] for row in rows] == ["0", "16"], "one rank per pipeline stage"
     assert not (tmp_path / "outputs" / "cache").exists(), "a dry run runs no stage"
+
+
+@pytest.mark.slow
+def test_planted_secrets_never_reach_mlflow_or_the_summary(tmp_path):
+    result = run_cli(tmp_path, "experiment=smoke", "nodes=1", "only=[lr_find]", "hydra.run.dir=secret",
+                     "+launcher.additional_parameters.api_token=s3cr3tvalue",
+                     "launcher.setup=['export HF_TOKEN=t0kenvalue']")
+    assert result.returncode == 0, result.stderr
+    written = [tmp_path / "outputs" / "mlflow.db", tmp_path / "secret" / "summary.json",
+               *(tmp_path / "outputs" / "mlartifacts").rglob("*")]
+    for path in written:
+        if path.is_file():
+            blob = path.read_bytes()
+            assert b"s3cr3tvalue" not in blob and b"t0kenvalue" not in blob, path
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/outputs/mlflow.db")
+    run = client.get_run(json.loads((tmp_path / "secret" / "summary.json").read_text())["mlflow_run_id"])
+    assert run.data.params["launcher.additional_parameters.api_token"] == "***"
+    assert "HF_TOKEN=***" in run.data.params["launcher.setup"]
+
+
+@pytest.mark.slow
+def test_a_killed_driver_takes_its_workers_and_the_rerun_completes(tmp_path):
+    import signal
+    import time
+
+    args = ["experiment=smoke", "tracking=none", "only=[train]", "train.steps=3000", "train.log_every=1000"]
+    driver = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args, "hydra.run.dir=killed"], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in driver.stdout:
+        if line.startswith("[5/6] train:") and "..." in line:
+            break
+    time.sleep(4)  # the baseline, then the 2-rank run, are under way
+    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(driver.pid)], capture_output=True, text=True)
+    workers = [int(pid) for pid in children.stdout.split()]
+    assert workers, "the driver had started its workers"
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(_alive(pid) for pid in workers):
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in workers), "no worker outlives a SIGKILLed driver"
+    assert not list((tmp_path / "outputs/cache").glob("train*/[!.]*")), "no half-written train result"
+    again = run_cli(tmp_path, "experiment=smoke", "tracking=none", "only=[train]", "hydra.run.dir=again")
+    assert again.returncode == 0, again.stderr
+    assert summary_of(tmp_path / "again")["stages"]["train"]["status"] == "ran"
+    assert not list((tmp_path / "outputs/cache").glob("*/.tmp-*")), "the dead driver's staging was swept"
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except OSError:
+        return False
+    return state != "Z"
