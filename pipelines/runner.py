@@ -192,8 +192,14 @@ class Runner:
     def _finish(self, summary: Summary) -> None:
         summary.mlflow_run_id = self.tracker.run_id
         path = self.run_dir / SUMMARY
+        stages = {n: o.as_json() for n, o in summary.stages.items()}
+        # Cluster launchers (slurm) name the jobs each stage ran as, baseline included.
+        for name, ids in getattr(self.launcher, "job_ids", {}).items():
+            stage = name.removesuffix("-baseline")
+            if stage in stages:
+                stages[stage].setdefault("jobs", []).extend(ids)
         payload = {
-            "stages": {n: o.as_json() for n, o in summary.stages.items()},
+            "stages": stages,
             "mlflow_run_id": summary.mlflow_run_id,
             "ok": summary.ok,
             "run_dir": str(self.run_dir),
@@ -224,7 +230,7 @@ def _describe(outcome: Outcome) -> str:
 def run_pipeline(cfg: Config, run_dir: Path, echo=print) -> Summary:
     """Build the DAG, open tracking, run every selected stage, write summary.json."""
     dag = build(cfg.pipeline)  # fails on a bad DAG before MLflow or any process starts
-    launcher = make_launcher(cfg.launcher, run_dir)
+    launcher = make_launcher(cfg.launcher, run_dir, cfg.nodes * cfg.procs_per_node)
     try:
         tracker = make_tracker(cfg.tracking)
     except BaseException:

@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from pipelines.configtools import hydra_schema
 from training.config import (
     BandwidthConfig,
+    ClusterConfig,
     ConfigError,
     DataConfig,
     EnvConfig,
@@ -159,6 +160,7 @@ class Config:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     bandwidth: BandwidthConfig = field(default_factory=BandwidthConfig)
     lr_find: LrFindConfig = field(default_factory=LrFindConfig)

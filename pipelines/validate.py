@@ -30,9 +30,11 @@ def cuda_device_count() -> int:
 def resolve(cfg: Config, gpus_per_node: int | None = None) -> Config:
     """Fill in what defaults to the machine (procs_per_node) and check the cross-field rules."""
     gpus = cuda_device_count() if gpus_per_node is None else gpus_per_node
-    procs = cfg.procs_per_node or max(gpus, 1)
+    # A what-if plan of a described cluster fills its nodes with that cluster's devices.
+    procs = cfg.procs_per_node or (cfg.cluster.devices_per_node if not cfg.cluster.measured else max(gpus, 1))
     cfg = dataclasses.replace(cfg, procs_per_node=procs)
-    _check_world(cfg, gpus)
+    if cfg.cluster.measured:  # a what-if plan launches nothing: this machine's limits don't apply
+        _check_world(cfg, gpus)
     _check_model_data(cfg)
     dims = _check_strategy(cfg, gpus)
     _check_batches(cfg, dims)
@@ -95,7 +97,7 @@ def _check_batches(cfg: Config, dims: ParallelDims) -> None:
     if dims.pp > 1 and micro % s.microbatches:
         raise ConfigError("strategy.microbatches", s.microbatches, f"must divide the micro-batch of {micro} samples")
     global_batch = micro * t.grad_accum * dims.dp_size
-    if cfg.data.num_samples < global_batch:
+    if cfg.cluster.measured and cfg.data.num_samples < global_batch:
         raise ConfigError(
             "data.num_samples",
             cfg.data.num_samples,

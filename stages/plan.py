@@ -1,17 +1,16 @@
-"""plan: the three rulers, measured, and a recommendation with its reasons.
+"""plan: the three rulers, measured, turned into predictions and a recommendation with reasons.
 
 Ruler 1, memory: the peak of one forward + backward + optimizer step on one device, against
-`plan.memory_fraction` of the device. Ruler 2, bandwidth: the all_reduce busbw the probe measured
-at its largest size, against the bandwidth ruler. Ruler 3, compute density: FLOPs per sample and
-per byte the strategy moves, and the measured compute time of a step against the time its
-gradient all-reduce would take at the measured busbw.
-
-The cost model that predicts step time and efficiency for every strategy and size builds on
-`Rulers`: it consumes the same measurements.
+`plan.memory_fraction` of the device. Ruler 2, bandwidth: the busbw the probe measured, fitted
+to an α–β model per collective. Ruler 3, compute density: FLOPs per sample and per byte moved,
+and the measured compute time of a step. training/costmodel.py turns them into memory, step time,
+throughput and scaling efficiency for every strategy at 1, 2, 4 ... plan.max_devices devices; the
+recommendation is the fastest strategy that fits at the requested world.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -21,20 +20,34 @@ import torch
 from stages.bandwidth import BandwidthResult
 from stages.common import log, workbench
 from stages.lr_find import LrFindResult
-from training.config import DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
+from training.config import ClusterConfig, DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
+from training.costmodel import (
+    Hardware,
+    Link,
+    Prediction,
+    Workload,
+    device_counts,
+    fit_link,
+    gpt_shape,
+    mlp_shape,
+    predict,
+)
 from training.dist import synchronize
 from training.flops import flops_per_sample
 from training.memory import device_memory_bytes, measure_step
-from training.models import loss_fn
+from training.models import loss_fn, tokens_per_sample
 from training.parallel.compose import resolve_dims
 
 GIB = 1024**3
-TIMED_STEPS = 3
+TIMED_STEPS = 5
+# Goyal et al. (2017) saw the linear rule hold to 8k-sample ImageNet batches, ~32x their base.
+LINEAR_RULE_LIMIT = 32
 
 
 @dataclass(frozen=True)
 class PlanInputs:
     plan: PlanConfig
+    cluster: ClusterConfig
     model: ModelConfig
     data: DataConfig
     train: TrainConfig
@@ -57,6 +70,8 @@ class Rulers:
     flops_per_sample: float
     step_compute_s: float
     """Median measured time of one micro-batch forward + backward + step on one device."""
+    threads: int
+    """CPU threads the measurement ran with (the launcher gives every rank the same share)."""
     busbw_gbps: float | None
     """Measured all_reduce busbw at the probe's largest size; None when not measured."""
     ruler_gbps: float
@@ -68,41 +83,61 @@ class PlanResult:
     reasons: list[str]
     peak_memory_bytes: int
     flops_per_sample: float
-    rulers: Rulers
+    rulers: Rulers | None
+    """The measurements (None for a what-if plan of hardware that isn't here)."""
     world_size: int
-    grad_allreduce_bytes: int
-    """Bytes each rank's gradient all-reduce carries per optimizer step under ddp."""
-    comm_to_compute: float | None
-    """Predicted all-reduce time / measured compute time per optimizer step."""
-    lr: float
-    lr_rule: str
+    micro_batch: int
+    predictions: list[Prediction]
+    lr: float | None
+    lr_rule: str | None
 
     def metrics(self) -> list[tuple[str, float, int]]:
-        r = self.rulers
-        out = [
-            ("memory/peak_gib", self.peak_memory_bytes / GIB, 0),
-            ("memory/param_bytes", float(r.param_bytes), 0),
-            ("memory/grad_bytes", float(r.grad_bytes), 0),
-            ("memory/optim_bytes", float(r.optim_bytes), 0),
-            ("memory/activation_bytes", float(r.activation_bytes), 0),
-            ("memory/device_gib", r.device_memory_bytes / GIB, 0),
-            ("plan/flops_per_sample", self.flops_per_sample, 0),
-            ("plan/step_compute_ms", r.step_compute_s * 1e3, 0),
-        ]
-        if self.comm_to_compute is not None:
-            out.append(("plan/comm_to_compute", self.comm_to_compute, 0))
+        out = [("memory/peak_gib", self.peak_memory_bytes / GIB, 0), ("plan/flops_per_sample", self.flops_per_sample, 0)]
+        if self.rulers is not None:
+            r = self.rulers
+            out += [
+                ("memory/param_bytes", float(r.param_bytes), 0),
+                ("memory/grad_bytes", float(r.grad_bytes), 0),
+                ("memory/optim_bytes", float(r.optim_bytes), 0),
+                ("memory/activation_bytes", float(r.activation_bytes), 0),
+                ("memory/device_gib", r.device_memory_bytes / GIB, 0),
+                ("plan/step_compute_ms", r.step_compute_s * 1e3, 0),
+            ]
+        for p in self.predictions:
+            out += [(f"plan/{p.strategy}/predicted_efficiency", p.scaling_efficiency, p.devices),
+                    (f"plan/{p.strategy}/predicted_tokens_per_s", p.tokens_per_s, p.devices)]
         return out
 
     def headline(self) -> str:
-        r = self.rulers
-        busbw = f"{r.busbw_gbps:.2f} GB/s" if r.busbw_gbps is not None else "not measured"
-        ratio = f", comm/compute {self.comm_to_compute:.2f}" if self.comm_to_compute is not None else ""
-        return (f"{self.recommended_strategy}: peak {self.peak_memory_bytes / GIB:.3f} GiB per device, "
-                f"busbw {busbw}{ratio}")
+        chosen = self.prediction(self.recommended_strategy, self.world_size)
+        if chosen is None:
+            return f"{self.recommended_strategy}: {self.reasons[0]}"
+        return (f"{self.recommended_strategy} at {self.world_size}: predicted {chosen.tokens_per_s:.0f} tokens/s, "
+                f"efficiency {chosen.scaling_efficiency:.2f}, {chosen.memory_per_device_bytes / GIB:.3f} GiB per device")
+
+    def prediction(self, strategy: str, devices: int) -> Prediction | None:
+        return next((p for p in self.predictions if p.strategy == strategy and p.devices == devices), None)
+
+    def table(self) -> str:
+        """The per-strategy what-if table at the requested world size."""
+        rows = [f"{'strategy':<8} {'fits':<5} {'GiB/device':>11} {'step (s)':>10} {'tokens/s':>12} {'efficiency':>10}"]
+        for p in sorted((p for p in self.predictions if p.devices == self.world_size), key=lambda p: -p.tokens_per_s):
+            rows.append(f"{p.strategy:<8} {str(p.fits).lower():<5} {p.memory_per_device_bytes / GIB:>11.2f} "
+                        f"{p.step_time_s:>10.4f} {p.tokens_per_s:>12.0f} {p.scaling_efficiency:>10.3f}")
+        return "\n".join(rows)
 
 
 def data_parallel_size(cfg: PlanInputs) -> int:
     return resolve_dims(cfg.strategy, cfg.nodes * cfg.procs_per_node).dp_size
+
+
+def _timed_steps(step) -> float:  # noqa: ANN001 - a zero-argument callable
+    times = []
+    for _ in range(TIMED_STEPS):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:
@@ -115,20 +150,21 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:
     flops = flops_per_sample(model, loss_fn, x, y)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def step() -> None:
+    def step(zero: bool = True) -> None:
+        # The training loop's step, as it runs there: clipping and zeroing included.
         loss_fn(model, x, y).backward()
+        if cfg.train.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        if zero:
+            optimizer.zero_grad(set_to_none=True)
+        synchronize(dev)
 
-    # The first step allocates the optimizer state: measure memory there, time the later ones.
-    memory = measure_step(model, optimizer, step, dev)
-    times = []
-    for _ in range(TIMED_STEPS):
-        synchronize(dev)
-        start = time.perf_counter()
-        step()
-        synchronize(dev)
-        times.append(time.perf_counter() - start)
+    # The first step allocates the optimizer state: measure memory there (gradients still held),
+    # time the later ones.
+    memory = measure_step(model, optimizer, lambda: step(zero=False), dev)
+    optimizer.zero_grad(set_to_none=True)
+    compute = _timed_steps(step)
     device_bytes = cfg.plan.device_memory_bytes or device_memory_bytes(dev, cfg.procs_per_node)
     return Rulers(
         params=sum(p.numel() for p in model.parameters()),
@@ -140,33 +176,131 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:
         memory_source=memory.source,
         device_memory_bytes=device_bytes,
         flops_per_sample=flops,
-        step_compute_s=statistics.median(times),
+        step_compute_s=compute,
+        threads=torch.get_num_threads(),
         busbw_gbps=bandwidth.largest_all_reduce_busbw_gbps,
         ruler_gbps=bandwidth.ruler_gbps,
     )
 
 
-def recommend(r: Rulers, cfg: PlanInputs, lr: LrFindResult) -> PlanResult:
-    """The seed's rules, applied to measured rulers, each decision with its reason."""
-    world = cfg.nodes * cfg.procs_per_node
-    dp = data_parallel_size(cfg)
-    limit = cfg.plan.memory_fraction * r.device_memory_bytes
-    pct = f"{cfg.plan.memory_fraction:.0%}"
+def model_shape(model: ModelConfig, data: DataConfig):  # noqa: ANN201 - a costmodel.Shape
+    if model.kind == "gpt":
+        return gpt_shape(model.vocab_size, model.seq_len, model.d_model, model.n_layers, model.n_heads, model.ffn_mult)
+    return mlp_shape(data.num_features, model.d_model, model.n_layers, data.num_classes)
+
+
+def workload(cfg: PlanInputs, activation_bytes_per_sample: float | None) -> Workload:
+    return Workload(
+        shape=model_shape(cfg.model, cfg.data),
+        micro_batch=cfg.train.micro_batch_for(data_parallel_size(cfg)),
+        grad_accum=cfg.train.grad_accum,
+        microbatches=cfg.strategy.microbatches,
+        mixed=cfg.strategy.precision != "fp32",
+        checkpointing=cfg.strategy.activation_checkpointing == "full",
+        tokens_per_sample=tokens_per_sample(cfg.model),
+        activation_bytes_per_sample=activation_bytes_per_sample,
+    )
+
+
+def measured_links(bandwidth: BandwidthResult) -> dict[str, Link]:
+    """An α–β fit per collective the probe measured (at its world size)."""
+    links = {}
+    for name in sorted({m.collective for m in bandwidth.results}):
+        points = [(m.bytes, m.time_us * 1e-6) for m in bandwidth.results if m.collective == name]
+        if len(points) >= 2:
+            links[name] = fit_link(points, name, bandwidth.world_size)
+    return links
+
+
+def preset_links(gbps: float, latency_us: float) -> dict[str, Link]:
+    return {"all_reduce": Link(alpha_s=latency_us * 1e-6, busbw_gbps=gbps, world=2)}
+
+
+def hardware(cfg: PlanInputs, rulers: Rulers | None, bandwidth: BandwidthResult | None, micro: int) -> Hardware:
+    """Measured numbers for cluster=cpu-local (and any `measured` cluster), else the preset's."""
+    c = cfg.cluster
+    if c.measured:
+        assert rulers is not None and bandwidth is not None, "a measured cluster needs the measurements"
+        links = measured_links(bandwidth)
+        cpu = "cpu" in bandwidth.backend or torch.cuda.device_count() == 0
+        return Hardware(
+            device_memory_bytes=rulers.device_memory_bytes,
+            devices_per_node=10**9,  # launcher=local: every rank on this host's links
+            intra=links,
+            inter=links,
+            seconds_per_sample=rulers.step_compute_s / micro,
+            cores=(os.cpu_count() or 1) if cpu else None,
+            threads_per_device=rulers.threads,
+        )
+    flops = flops_for_whatif(cfg)
+    per_sample = flops / (c.peak_flops * c.achievable_mfu)
+    return Hardware(
+        device_memory_bytes=c.device_memory_gib * GIB,
+        devices_per_node=c.devices_per_node,
+        intra=preset_links(c.intra_node_gbps, c.intra_node_latency_us),
+        inter=preset_links(c.inter_node_gbps, c.inter_node_latency_us),
+        seconds_per_sample=per_sample,
+    )
+
+
+def flops_for_whatif(cfg: PlanInputs) -> float:
+    from training.costmodel import gpt_flops_per_token
+
+    shape = model_shape(cfg.model, cfg.data)
+    if cfg.model.kind == "gpt":
+        return gpt_flops_per_token(shape) * cfg.model.seq_len
+    return 6 * shape.params
+
+
+def predictions(cfg: PlanInputs, w: Workload, hw: Hardware, world: int) -> list[Prediction]:
+    limit = cfg.plan.memory_fraction * hw.device_memory_bytes
+    base = predict(w, hw, "ddp", 1, float("inf"), cfg.plan.overlap, 1.0)
+    single = base.samples_per_s
+    out = []
+    for devices in device_counts(cfg.plan.max_devices, world):
+        if devices > 1 and not hw.intra:
+            continue  # no bandwidth measured: nothing to predict beyond one device
+        for strategy in cfg.plan.strategies:
+            p = predict(w, hw, strategy, devices, limit, cfg.plan.overlap, single)
+            if p is not None:
+                out.append(p)
+    return out
+
+
+def recommend(preds: list[Prediction], world: int, cfg: PlanInputs, hw: Hardware) -> tuple[str, list[str]]:
+    """The fastest strategy that fits at `world`, with the seed's rules as readable reasons."""
+    at_world = [p for p in preds if p.devices == world]
+    limit = cfg.plan.memory_fraction * hw.device_memory_bytes
+    pct = f"{cfg.plan.memory_fraction:.0%} of {hw.device_memory_bytes / GIB:.1f} GiB"
     reasons = []
-    if r.peak_memory_bytes > limit:
-        choice = "zero3"
-        reasons.append(
-            f"memory: ddp needs {r.peak_memory_bytes / GIB:.2f} GiB per device > {limit / GIB:.2f} GiB "
-            f"({pct} of {r.device_memory_bytes / GIB:.1f} GiB): shard the model"
-        )
-    else:
-        choice = "ddp"
-        reasons.append(
-            f"memory: ddp needs {r.peak_memory_bytes / GIB:.3f} GiB per device <= {limit / GIB:.2f} GiB "
-            f"({pct} of {r.device_memory_bytes / GIB:.1f} GiB): replicating fits"
-        )
+    ddp = next((p for p in at_world if p.strategy == "ddp"), None)
+    if ddp is not None:
+        verb = ">" if not ddp.fits else "<="
+        advice = "shard the model" if not ddp.fits else "replicating fits"
+        reasons.append(f"memory: ddp needs {ddp.memory_per_device_bytes / GIB:.3f} GiB per device {verb} "
+                       f"{limit / GIB:.3f} GiB ({pct}): {advice}")
+    fitting = [p for p in at_world if p.fits]
+    if not fitting:
+        smallest = min(at_world, key=lambda p: p.memory_per_device_bytes)
+        reasons.append(f"nothing fits at {world} devices; {smallest.strategy} needs the least "
+                       f"({smallest.memory_per_device_bytes / GIB:.2f} GiB per device): add devices or shrink the batch")
+        return smallest.strategy, reasons
+    # Within 1 % of the fastest, prefer the simpler strategy (earlier in plan.strategies).
+    top = max(p.tokens_per_s for p in fitting)
+    order = cfg.plan.strategies
+    best = min((p for p in fitting if p.tokens_per_s >= 0.99 * top), key=lambda p: order.index(p.strategy))
+    runner_up = sorted((p for p in fitting if p is not best), key=lambda p: -p.tokens_per_s)[:1]
+    versus = f" vs {runner_up[0].strategy} {runner_up[0].tokens_per_s:.0f}" if runner_up else ""
+    reasons.append(f"throughput: {best.strategy} is the fastest that fits at {world} devices: predicted "
+                   f"{best.tokens_per_s:.0f} tokens/s{versus}, efficiency {best.scaling_efficiency:.2f}")
+    return best.strategy, reasons
+
+
+def ruler_reasons(r: Rulers, cfg: PlanInputs, world: int) -> list[str]:
+    """The bandwidth and compute-density rulers as sentences."""
+    reasons = []
     if r.busbw_gbps is None:
-        reasons.append("bandwidth: not measured (world size 1): no interconnect to judge")
+        reasons.append("bandwidth: not measured (world size 1): no interconnect to judge, no prediction beyond 1 device")
     elif r.busbw_gbps < r.ruler_gbps:
         reasons.append(
             f"bandwidth: all_reduce busbw {r.busbw_gbps:.2f} GB/s < {r.ruler_gbps:g} GB/s ruler: keep data "
@@ -175,40 +309,55 @@ def recommend(r: Rulers, cfg: PlanInputs, lr: LrFindResult) -> PlanResult:
         )
     else:
         reasons.append(f"bandwidth: all_reduce busbw {r.busbw_gbps:.2f} GB/s >= {r.ruler_gbps:g} GB/s ruler")
-    grad_bytes = r.grad_bytes
-    ratio = None
-    samples_per_step = cfg.train.micro_batch_for(dp) * cfg.train.grad_accum
-    density = r.flops_per_sample * samples_per_step / max(grad_bytes, 1)
-    if r.busbw_gbps:
-        comm_s = grad_bytes * 2 * (dp - 1) / dp / (r.busbw_gbps * 1e9)
-        compute_s = r.step_compute_s * cfg.train.grad_accum
-        ratio = comm_s / compute_s
-        bound = "communication-bound: consider hybrid sharding or more accumulation" if ratio > 1 else "compute-bound: data parallelism can hide its all-reduce"
-        reasons.append(
-            f"compute density: {density:.0f} FLOPs per gradient byte; all-reduce {comm_s * 1e3:.1f} ms vs "
-            f"compute {compute_s * 1e3:.1f} ms per step: {bound}"
-        )
-    else:
-        reasons.append(f"compute density: {density:.0f} FLOPs per gradient byte; no busbw to compare it with")
-    reasons.append(f"lr: {lr.scaled_lr:.2e} ({lr.lr_scaling} rule from {lr.suggested_lr:.2e} at batch {lr.finder_batch} "
-                   f"to {lr.target_batch}), {lr.warmup_steps} warm-up steps")
-    return PlanResult(
-        recommended_strategy=choice,
-        reasons=reasons,
-        peak_memory_bytes=r.peak_memory_bytes,
-        flops_per_sample=r.flops_per_sample,
-        rulers=r,
-        world_size=world,
-        grad_allreduce_bytes=grad_bytes,
-        comm_to_compute=ratio,
-        lr=lr.scaled_lr,
-        lr_rule=lr.lr_scaling,
-    )
+    micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
+    density = r.flops_per_sample * micro * cfg.train.grad_accum / max(r.grad_bytes, 1)
+    reasons.append(f"compute density: {r.flops_per_sample:.3g} FLOPs per sample, {density:.0f} FLOPs per gradient "
+                   f"byte all-reduced")
+    return reasons
+
+
+def lr_reason(lr: LrFindResult) -> str:
+    text = (f"lr: {lr.scaled_lr:.2e} ({lr.lr_scaling} rule from {lr.suggested_lr:.2e} at batch {lr.finder_batch} "
+            f"to {lr.target_batch}), {lr.warmup_steps} warm-up steps")
+    if lr.lr_scaling == "linear" and lr.target_batch > LINEAR_RULE_LIMIT * lr.finder_batch:
+        text += (f"; warning: the batch grows {lr.target_batch // lr.finder_batch}x, past the ~{LINEAR_RULE_LIMIT}x "
+                 "where the linear rule was seen to hold: consider lr_scaling=sqrt or a longer warm-up")
+    return text
 
 
 def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult) -> PlanResult:
+    world = cfg.nodes * cfg.procs_per_node
     rulers = measure(cfg, bandwidth)
-    result = recommend(rulers, cfg, lr_find)
-    for reason in result.reasons:
-        log("plan", reason)
+    micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
+    w = workload(cfg, rulers.activation_bytes / micro if cfg.cluster.measured else None)
+    hw = hardware(cfg, rulers, bandwidth, micro)
+    preds = predictions(cfg, w, hw, world)
+    choice, reasons = recommend(preds, world, cfg, hw)
+    reasons += ruler_reasons(rulers, cfg, world) + [lr_reason(lr_find)]
+    result = PlanResult(choice, reasons, rulers.peak_memory_bytes, rulers.flops_per_sample, rulers, world, micro,
+                        preds, lr_find.scaled_lr, lr_find.lr_scaling)
+    for line in [*reasons, result.table()]:
+        log("plan", line)
+    return result
+
+
+def whatif(cfg: PlanInputs) -> PlanResult:
+    """pipeline=plan: the same predictions for hardware described by a cluster preset, from the
+    model's shape alone — nothing is measured, built or trained, so it answers in seconds."""
+    if cfg.cluster.measured:
+        raise ValueError(f"cluster={cfg.cluster.name} is measured by running: use pipeline=full, or a described "
+                         "cluster such as cluster=h100-80g-ndr for a what-if plan")
+    world = cfg.nodes * cfg.procs_per_node
+    w = workload(cfg, None)
+    hw = hardware(cfg, None, None, w.micro_batch)
+    preds = predictions(cfg, w, hw, world)
+    choice, reasons = recommend(preds, world, cfg, hw)
+    flops = flops_for_whatif(cfg)
+    peak = max((p.memory_per_device_bytes for p in preds if p.devices == world and p.strategy == choice), default=0)
+    result = PlanResult(choice, reasons, int(peak), flops, None, world, w.micro_batch, preds, None, None)
+    print(f"what-if: model={cfg.model.name} ({w.shape.params / 1e9:.2f} B parameters) on cluster={cfg.cluster.name}, "
+          f"{cfg.nodes} nodes x {cfg.procs_per_node} = {world} devices, micro-batch {w.micro_batch}")
+    print(result.table())
+    for reason in reasons:
+        print(f"  {reason}")
     return result

@@ -92,9 +92,18 @@ def markdown(env: EnvResult, bandwidth: BandwidthResult, lr: LrFindResult, plan:
         ("learning rate", f"{train.lr:.3e} from {train.lr_source}"),
         ("ranks in sync", str(train.ranks_in_sync)),
     ]
+    if train.prediction is not None:
+        p = train.prediction
+        rows += [
+            ("predicted step time", f"{p.step_time_s * 1e3:.1f} ms (error {p.step_time_error_pct:+.1f} %)"),
+            ("predicted throughput", f"{p.samples_per_s:.1f} samples/s (error {p.samples_per_s_error_pct:+.1f} %)"),
+            ("predicted efficiency", f"{p.scaling_efficiency:.3f} (error {p.efficiency_error_pct:+.1f} %)"),
+            ("predicted memory", f"{p.memory_bytes / GIB:.4f} GiB (error {p.memory_error_pct:+.1f} %)"),
+        ]
     lines = ["# scalestudy report", "", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
     lines += ["## Plan", "", f"Recommended strategy: **{plan.recommended_strategy}**", ""]
     lines += [f"- {reason}" for reason in plan.reasons] + [""]
+    lines += ["Predictions at this world size:", "", "```", plan.table(), "```", ""]
     lines += ["## Fleet", "", env.headline(), "", "## Bandwidth", "", bandwidth.verdict, ""]
     if bandwidth.results:
         lines += ["| collective | bytes | time (us) | algbw (GB/s) | busbw (GB/s) |", "|---|---:|---:|---:|---:|"]

@@ -41,6 +41,43 @@ class TrainInputs:
 
 
 @dataclass(frozen=True)
+class PredictionCheck:
+    """The plan's prediction for this strategy and world, against what this run measured."""
+
+    step_time_s: float
+    samples_per_s: float
+    scaling_efficiency: float
+    memory_bytes: float
+    step_time_error_pct: float
+    """(measured - predicted) / measured, in percent."""
+    samples_per_s_error_pct: float
+    efficiency_error_pct: float
+    memory_error_pct: float
+
+
+def _error_pct(measured: float, predicted: float) -> float:
+    return 100.0 * (measured - predicted) / measured if measured else float("nan")
+
+
+def check_prediction(plan: PlanResult, strategy: str, world: int, step_time_s: float, samples_per_s: float,
+                     efficiency: float, memory_bytes: float) -> PredictionCheck | None:
+    """Hold the run against the plan's prediction for it (None when the plan made none)."""
+    predicted = plan.prediction(strategy, world) if hasattr(plan, "prediction") else None
+    if predicted is None:
+        return None
+    return PredictionCheck(
+        step_time_s=predicted.step_time_s,
+        samples_per_s=predicted.samples_per_s,
+        scaling_efficiency=predicted.scaling_efficiency,
+        memory_bytes=predicted.memory_per_device_bytes,
+        step_time_error_pct=_error_pct(step_time_s, predicted.step_time_s),
+        samples_per_s_error_pct=_error_pct(samples_per_s, predicted.samples_per_s),
+        efficiency_error_pct=_error_pct(efficiency, predicted.scaling_efficiency),
+        memory_error_pct=_error_pct(memory_bytes, predicted.memory_per_device_bytes),
+    )
+
+
+@dataclass(frozen=True)
 class TrainResult:
     strategy: str
     strategy_from_plan: bool
@@ -82,6 +119,8 @@ class TrainResult:
     """Ranks holding the same pipeline stage ended with bitwise-identical full parameters."""
     bucket_allreduce_ms: list[float]
     """strategy.time_buckets: each DDP bucket all-reduce's time, launch to completion, in order."""
+    prediction: PredictionCheck | None
+    """The plan's prediction for this run and its relative errors."""
 
     def metrics(self) -> list[tuple[str, float, int]]:
         out = [("train/loss", loss, step) for step, loss in enumerate(self.losses, 1)]
@@ -106,6 +145,18 @@ class TrainResult:
         }
         if self.mfu_pct is not None:
             scalars["train/mfu_pct"] = self.mfu_pct
+        if self.prediction is not None:
+            p = self.prediction
+            scalars.update({
+                "plan/predicted_step_time_ms": p.step_time_s * 1e3,
+                "plan/predicted_samples_per_s": p.samples_per_s,
+                "plan/predicted_scaling_efficiency": p.scaling_efficiency,
+                "plan/predicted_memory_gib": p.memory_bytes / GIB,
+                "plan/step_time_error_pct": p.step_time_error_pct,
+                "plan/samples_per_s_error_pct": p.samples_per_s_error_pct,
+                "plan/efficiency_error_pct": p.efficiency_error_pct,
+                "plan/memory_error_pct": p.memory_error_pct,
+            })
         if self.bucket_allreduce_ms:
             scalars["comm/ddp_bucket_allreduce_ms_median"] = statistics.median(self.bucket_allreduce_ms)
             out += [("comm/ddp_bucket_allreduce_ms", ms, i) for i, ms in enumerate(self.bucket_allreduce_ms)]
@@ -179,6 +230,8 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
     peak = peak_flops(bench.dev, t.peak_flops)
     per_device = samples_per_s / world
     memory = stats.memory
+    step_time = stats.timed_seconds / stats.timed_steps
+    efficiency = samples_per_s / (world * base)
     stage = dims.coordinates(rank())["pp"] if world > 1 else 0
     digests = gather_objects((stage, parameter_digest(parallel.model)))
     return TrainResult(
@@ -202,9 +255,9 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
         tokens_per_s=samples_per_s * tokens_per_sample(cfg.model),
         samples_per_s_per_device=per_device,
         tokens_per_s_per_device=per_device * tokens_per_sample(cfg.model),
-        step_time_s=stats.timed_seconds / stats.timed_steps,
+        step_time_s=step_time,
         baseline_samples_per_s=base,
-        scaling_efficiency=samples_per_s / (world * base),
+        scaling_efficiency=efficiency,
         peak_memory_bytes=memory.peak_bytes,
         param_bytes=memory.param_bytes,
         grad_bytes=memory.grad_bytes,
@@ -215,5 +268,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
         mfu_pct=100 * plan.flops_per_sample * per_device / peak if peak else None,
         device=str(bench.dev),
         bucket_allreduce_ms=parallel.bucket_timer.ms if parallel.bucket_timer is not None else [],
+        prediction=check_prediction(plan, strategy.name, world, step_time, samples_per_s, efficiency,
+                                    memory.peak_bytes),
         ranks_in_sync=all(len({d for s, d in digests if s == k}) == 1 for k in {s for s, _ in digests}),
     )

@@ -309,12 +309,60 @@ class PlanConfig:
     divided by the ranks per node)."""
     max_dp_low_bandwidth: int = 8
     """With busbw below the ruler, keep data parallelism within this many devices."""
+    max_devices: int = 1024
+    """Predict step time and efficiency for 1, 2, 4 ... up to this many devices."""
+    overlap: float = 1.0
+    """Fraction of the backward pass that data-parallel communication can hide behind
+    (DDP buckets and FSDP prefetch overlap; 0 = fully exposed)."""
+    strategies: list[str] = field(default_factory=lambda: ["ddp", "zero1", "zero2", "zero3", "tp", "pp"])
+    """Strategies the plan compares."""
 
     def __post_init__(self) -> None:
         if not 0 < self.memory_fraction <= 1:
             raise ConfigError("memory_fraction", self.memory_fraction, "must be in (0, 1]")
         _at_least("device_memory_bytes", self.device_memory_bytes, 1)
         _at_least("max_dp_low_bandwidth", self.max_dp_low_bandwidth, 1)
+        _at_least("max_devices", self.max_devices, 1)
+        if not 0 <= self.overlap <= 1:
+            raise ConfigError("overlap", self.overlap, "must be in [0, 1]")
+        for name in self.strategies:
+            if name not in STRATEGIES or name in ("auto", "hybrid"):
+                raise ConfigError("strategies", name, "must be among ddp, zero1, zero2, zero3, tp, pp")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    name: str = "cpu-local"
+    """Preset name. `cpu-local` is this machine, measured by the probes; the others describe
+    hardware you don't have, for what-if plans, with each number's public source in its file."""
+    measured: bool = True
+    """True: take device memory, compute speed and link bandwidth from this run's measurements
+    (the plan and bandwidth stages); the numbers below are then ignored."""
+    devices_per_node: int = 1
+    """Devices (GPUs) per host; collectives within a node use the intra-node link."""
+    device_memory_gib: float | None = None
+    """Memory of one device."""
+    peak_flops: float | None = None
+    """Dense bf16 peak FLOP/s of one device (datasheet)."""
+    achievable_mfu: float = 0.4
+    """Fraction of the peak a well-tuned transformer step reaches (what-if compute time)."""
+    intra_node_gbps: float | None = None
+    """Bus bandwidth of collectives inside a node (GB/s, nccl-tests busbw)."""
+    intra_node_latency_us: float | None = None
+    inter_node_gbps: float | None = None
+    """Bus bandwidth of collectives across nodes (GB/s)."""
+    inter_node_latency_us: float | None = None
+
+    def __post_init__(self) -> None:
+        _at_least("devices_per_node", self.devices_per_node, 1)
+        if not 0 < self.achievable_mfu <= 1:
+            raise ConfigError("achievable_mfu", self.achievable_mfu, "must be in (0, 1]")
+        if not self.measured:
+            for key in ("device_memory_gib", "peak_flops", "intra_node_gbps", "intra_node_latency_us",
+                        "inter_node_gbps", "inter_node_latency_us"):
+                value = getattr(self, key)
+                if value is None or value <= 0:
+                    raise ConfigError(key, value, f"cluster={self.name} describes hardware by its numbers: must be > 0")
 
 
 @dataclass(frozen=True)

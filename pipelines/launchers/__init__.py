@@ -8,13 +8,13 @@ from pipelines.launchers.base import Launcher, StageFailed, Task, WorldSpec
 from pipelines.schema import LauncherConfig
 
 
-def make_launcher(cfg: LauncherConfig, run_dir: Path) -> Launcher:
-    """The launcher named by `launcher.name`, for an invocation whose Hydra run dir is `run_dir`.
-    A launcher that cannot reach its cluster raises ConfigError here, before anything runs."""
+def make_launcher(cfg: LauncherConfig, run_dir: Path, world: int) -> Launcher:
+    """The launcher named by `launcher.name`, for an invocation of `world` ranks whose Hydra run
+    dir is `run_dir`. One that cannot reach its cluster raises ConfigError here, before anything runs."""
     if cfg.name == "local":
         from pipelines.launchers.local import LocalLauncher
 
-        return LocalLauncher(cfg)
+        return LocalLauncher(cfg, ranks_per_host=world)
     if cfg.name == "ray":
         from pipelines.launchers.ray import RayLauncher
 

@@ -40,7 +40,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def worker_env(rank: int, world: WorldSpec, port: int, cfg: LauncherConfig) -> dict[str, str]:
+def worker_env(rank: int, world: WorldSpec, port: int, cfg: LauncherConfig, ranks_per_host: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         RANK=str(rank),
@@ -61,14 +61,18 @@ def worker_env(rank: int, world: WorldSpec, port: int, cfg: LauncherConfig) -> d
             PARENT_DEATH_ENV: "1",
         },
     )
-    # Every rank shares this host's cores; unbounded intra-op threads would oversubscribe them.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world.size)))
+    # Every rank of the invocation shares this host's cores, so each gets the same share in every
+    # stage, one-device ones and the 1-device baseline included: a "device" is the same thing
+    # throughout, and no rank's OpenMP threads spin against another's.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(world.size, ranks_per_host))))
     return env
 
 
 class LocalLauncher:
-    def __init__(self, cfg: LauncherConfig):
+    def __init__(self, cfg: LauncherConfig, ranks_per_host: int = 1):
         self.cfg = cfg
+        self.ranks_per_host = ranks_per_host
+        """The invocation's largest world on this host: every stage's ranks get cores // it threads."""
 
     def run(self, task: Task, world: WorldSpec) -> Any:
         workdir = Path(task.workdir)
@@ -85,7 +89,7 @@ class LocalLauncher:
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, "-m", "pipelines.launchers.worker", str(task_file)],
-                        env=worker_env(rank, world, port, self.cfg),
+                        env=worker_env(rank, world, port, self.cfg, self.ranks_per_host),
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,

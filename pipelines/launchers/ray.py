@@ -20,6 +20,7 @@ import math
 import os
 import pickle
 import re
+import secrets
 import shutil
 import socket
 import sys
@@ -72,8 +73,8 @@ class RayLauncher:
         temp_dir.mkdir(parents=True, exist_ok=True)
         if not any(k in os.environ for k in (*AUTH_ENV, "RAY_AUTH_TOKEN_PATH")):
             self._saved_env = {k: os.environ.get(k) for k in AUTH_ENV}
-            # ray.init then turns token mode on (setting RAY_AUTH_MODE) and finds this token.
-            os.environ["RAY_AUTH_TOKEN"] = uuid.uuid4().hex + uuid.uuid4().hex
+            os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+            _reload_auth()
         try:
             ray.init(
                 num_cpus=os.cpu_count(),
@@ -148,15 +149,23 @@ class RayLauncher:
             else:
                 os.environ[key] = value
         if self._saved_env:
-            # Ray caches the mode and the token; a later ray.init in this process must read afresh.
-            from ray._raylet import AuthenticationTokenLoader, Config
-
-            Config.initialize("")
-            AuthenticationTokenLoader.instance().reset_cache()
+            _reload_auth()
             self._saved_env = {}
         if self._scratch is not None:
+            # Keep the instance's logs with the run; the short directory itself goes.
+            logs = self._scratch / "session_latest" / "logs"
+            if logs.is_dir():
+                shutil.copytree(logs, self.run_dir / "ray-logs", dirs_exist_ok=True, ignore_dangling_symlinks=True)
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
+
+
+def _reload_auth() -> None:
+    """Ray caches the auth mode and token of the process; make it read the environment again."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _pythonpath() -> str:
@@ -221,7 +230,7 @@ def _train_fn(config: dict[str, Any]) -> None:
     task: Task = config["task"]
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
-    _set_worker_env(ctx)
+    _set_worker_env(ctx, config["distributed"])
     if not config["distributed"] and torch.distributed.is_initialized():
         # one_device stages run without a process group, as under launcher=local.
         torch.distributed.destroy_process_group()
@@ -239,20 +248,31 @@ def _train_fn(config: dict[str, Any]) -> None:
         ray.train.report({RESULT_KEY: base64.b64encode(data).decode()}, checkpoint=Checkpoint.from_directory(tmp))
 
 
-def _set_worker_env(ctx: Any) -> None:
-    """The torchrun-style variables our code reads, and a thread count that shares this node."""
+def _set_worker_env(ctx: Any, distributed: bool) -> None:
+    """The torchrun-style variables our code reads, and a thread count that shares this host."""
     os.environ.update(
         RANK=str(ctx.get_world_rank()),
         WORLD_SIZE=str(ctx.get_world_size()),
         LOCAL_RANK=str(ctx.get_local_rank()),
         LOCAL_WORLD_SIZE=str(ctx.get_local_world_size()),
-        GROUP_RANK=str(ctx.get_node_rank()),
+        GROUP_RANK=str(_node_rank(distributed)),
     )
     threads = max(1, (os.cpu_count() or 1) // ctx.get_local_world_size())
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     if torch.cuda.is_available():
         torch.cuda.set_device(ray.train.torch.get_device())
+
+
+def _node_rank(distributed: bool) -> int:
+    """This worker's Ray node, numbered in rank order. Ray Train's own node rank (and local rank)
+    groups workers by IP address, so two Ray nodes on one host would look like one node."""
+    node_id = ray.get_runtime_context().get_node_id()
+    if not (distributed and torch.distributed.is_initialized()):
+        return 0
+    ids: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(ids, node_id)
+    return list(dict.fromkeys(ids)).index(node_id)
 
 
 def _run_reporting_errors(task: Task, rank: int, workdir: Path) -> Any:

@@ -27,9 +27,9 @@ from pipelines.launchers.worker import (
     DEVICE_ENV,
     DISTRIBUTED_ENV,
     TIMEOUT_ENV,
-    _setup_torch,
-    _teardown_torch,
     run_task,
+    setup_torch,
+    teardown_torch,
 )
 from pipelines.schema import LauncherConfig
 
@@ -63,9 +63,9 @@ class SlurmTask(submitit.helpers.Checkpointable):
         # attempt (their peer vanished); job.results() would report it instead of this run's.
         submitit.JobEnvironment().paths.result_pickle.unlink(missing_ok=True)
         self._export_env()
-        _setup_torch()
+        setup_torch()
         result = run_task(self.task)
-        _teardown_torch()
+        teardown_torch()
         return result if os.environ["RANK"] == "0" else None
 
     def _export_env(self) -> None:

@@ -51,7 +51,7 @@ def resolve_function(path: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def _setup_torch() -> None:
+def setup_torch() -> None:
     import torch
     import torch.distributed as dist
 
@@ -66,7 +66,7 @@ def _setup_torch() -> None:
     dist.init_process_group(backend=backend, timeout=timeout)
 
 
-def _teardown_torch() -> None:
+def teardown_torch() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -98,11 +98,11 @@ def main(task_file: str) -> int:
         die_with_parent()
     try:
         task: Task = pickle.loads(task_path.read_bytes())
-        _setup_torch()
+        setup_torch()
         result = run_task(task)
         if rank == 0:
             write_atomic(task_path.parent / RESULT_FILE, pickle.dumps(result))
-        _teardown_torch()
+        teardown_torch()
         return 0
     except BaseException as err:  # noqa: BLE001 - every failure must reach the driver
         text = traceback.format_exc()

@@ -1,0 +1,106 @@
+"""The cost model against hand-computed cases, and the what-if plan (no processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from stages.plan import PlanInputs, whatif
+from training.config import DataConfig, ModelConfig
+from training.costmodel import (
+    BUS_FACTOR,
+    Degrees,
+    Link,
+    Shape,
+    activation_tensor_bytes,
+    fit_link,
+    gpt_shape,
+    pipeline_bubble,
+    state_memory,
+)
+from training.models import build_model
+
+GB, MIB = 1e9, 1024**2
+
+
+def flat(params: float) -> Shape:
+    """A model that is all block parameters, none of them split by TP."""
+    return Shape(int(params), 1, 0, 1024, 512, 16, 1, 0, 0)
+
+
+@pytest.mark.parametrize("cfg", [ModelConfig(), ModelConfig(d_model=96, n_layers=3, n_heads=6, seq_len=32, vocab_size=100)])
+def test_gpt_shape_counts_the_real_models_parameters(cfg):
+    model = build_model(cfg, DataConfig(), seed=0)
+    shape = gpt_shape(cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.ffn_mult)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+
+
+def test_zero_paper_7_5b_on_64_gpus():
+    """Figure 1 of the ZeRO paper: Ψ = 7.5 B, N_d = 64, K = 12."""
+    shape = flat(7.5e9)
+    replicated, sharded = Degrees(dp_replicate=64), Degrees(dp_shard=64)
+    assert state_memory(shape, "ddp", replicated, mixed=True).total == pytest.approx(120 * GB)
+    assert state_memory(shape, "zero1", replicated, mixed=True).total == pytest.approx(31.4 * GB, rel=1e-3)
+    assert state_memory(shape, "zero2", sharded, mixed=True).total == pytest.approx(16.6 * GB, rel=5e-3)
+    assert state_memory(shape, "zero3", sharded, mixed=True).total == pytest.approx(1.875 * GB)
+
+
+def test_bert_large_weights_grads_and_adam_in_fp32():
+    memory = state_memory(flat(340e6), "ddp", Degrees(), mixed=False)
+    assert (memory.param_bytes, memory.grad_bytes, memory.optim_bytes) == (1.36 * GB, 1.36 * GB, 2.72 * GB)
+    assert memory.total == pytest.approx(5.44 * GB)
+
+
+def test_the_seeds_activation_example():
+    assert activation_tensor_bytes(32, 512, 1024, 4) == 64 * MIB
+
+
+def test_ring_all_reduce_volume_and_the_bubble():
+    assert BUS_FACTOR["all_reduce"](4) == 2 * 3 / 4 and BUS_FACTOR["all_gather"](8) == 7 / 8
+    assert pipeline_bubble(4, 4) == pytest.approx(3 / 7) and pipeline_bubble(1, 8) == 0
+    link = Link(alpha_s=1e-5, busbw_gbps=10.0, world=2)
+    assert link.time("all_reduce", 1e9, 1) == 0
+    assert link.time("all_reduce", 1e9, 2) == pytest.approx(1e-5 + 1e9 * 1.0 / 10e9)
+
+
+def test_alpha_beta_fit_recovers_a_known_link():
+    truth = Link(alpha_s=50e-6, busbw_gbps=1.3, world=2)
+    sizes = [2**k for k in range(3, 27, 2)]
+    fitted = fit_link([(b, truth.time("all_reduce", b, 2)) for b in sizes], "all_reduce", 2)
+    assert fitted.busbw_gbps == pytest.approx(1.3, rel=0.02)
+    assert fitted.alpha_s == pytest.approx(50e-6, rel=0.05)
+
+
+def plan_inputs(compose_cfg, *overrides: str) -> PlanInputs:
+    cfg = compose_cfg("pipeline=plan", "tracking=none", "train.micro_batch=1", "strategy.precision=bf16",
+                      "strategy.activation_checkpointing=full", *overrides)
+    return PlanInputs(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(PlanInputs)})
+
+
+def test_whatif_for_the_card_example(compose_cfg, capsys):
+    result = whatif(plan_inputs(compose_cfg, "cluster=h100-80g-ndr", "model=gpt-7b", "nodes=64"))
+    assert result.world_size == 512
+    ddp, zero3 = result.prediction("ddp", 512), result.prediction("zero3", 512)
+    assert not ddp.fits and zero3.fits, "7 B with Adam needs 16 bytes/param: 100 GiB > 70 % of 80 GiB"
+    assert result.recommended_strategy in ("zero1", "zero2", "zero3")
+    assert "ddp needs" in result.reasons[0] and "shard the model" in result.reasons[0]
+    assert {p.devices for p in result.predictions} >= {1, 2, 512, 1024}
+    assert "zero3" in capsys.readouterr().out
+
+
+def test_recommendation_flips_to_sharding_when_memory_crosses_the_threshold(compose_cfg):
+    roomy = whatif(plan_inputs(compose_cfg, "cluster=h100-80g-ndr", "model=gpt-1b", "nodes=1"))
+    tight = whatif(plan_inputs(compose_cfg, "cluster=h100-80g-ndr", "model=gpt-1b", "nodes=1",
+                               "plan.memory_fraction=0.2"))
+    assert roomy.prediction("ddp", 8).fits and not tight.prediction("ddp", 8).fits
+    assert roomy.recommended_strategy == "ddp"
+    assert tight.recommended_strategy in ("zero1", "zero2", "zero3", "tp", "pp")
+    assert "shard the model" in tight.reasons[0]
+
+
+def test_low_inter_node_bandwidth_steers_away_from_cross_node_tp(compose_cfg):
+    inside = whatif(plan_inputs(compose_cfg, "cluster=1gbe", "model=gpt-1b", "nodes=1"))
+    across = whatif(plan_inputs(compose_cfg, "cluster=1gbe", "model=gpt-1b", "nodes=2"))
+    assert across.prediction("tp", 16).tokens_per_s < inside.prediction("tp", 8).tokens_per_s / 10
+    assert across.recommended_strategy != "tp"

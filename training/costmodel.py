@@ -1,0 +1,386 @@
+"""The three rulers turned into predictions: memory, communication and step time per strategy.
+
+Pure arithmetic on shapes and measurements (no torch), so that `pipeline=plan` answers what-if
+questions for a 70B model on 512 GPUs in milliseconds. Sources of the formulas:
+- memory: the ZeRO paper (Rajbhandari et al. 2020): mixed-precision Adam holds 2Ψ + 2Ψ + 12Ψ
+  bytes (fp16 params, fp16 grads, fp32 master + two moments); plain fp32 Adam 4Ψ + 4Ψ + 8Ψ.
+- activations: Korthikanti et al. 2022, per layer s·b·h·(34 + 5·a·s/h) bytes in 16-bit, the 34
+  term divided over tensor-parallel ranks as (24/t + 10) without sequence parallelism.
+- collectives: nccl-tests' bus-bandwidth factors; time = α + bus bytes / busbw (an α–β model
+  fitted to the bandwidth probe).
+- pipeline bubble: (p − 1) / (m + p − 1) of the step for GPipe and 1F1B (Narayanan et al. 2021).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+ADAM_FP32 = (4, 4, 8)
+"""Bytes per parameter for params, grads, optimizer state: fp32 training with Adam."""
+ADAM_MIXED = (2, 2, 12)
+"""The ZeRO paper's mixed precision: 16-bit params and grads, fp32 master weights + 2 moments."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the cost model needs to know of a model."""
+
+    params: int
+    layers: int
+    block_linear_params: int
+    """Parameters of the projections tensor parallelism splits, over all blocks."""
+    hidden: int
+    seq_len: int
+    heads: int
+    vocab: int
+    first_stage_params: int
+    """Parameters only the first pipeline stage holds (embeddings)."""
+    last_stage_params: int
+    """Parameters only the last pipeline stage holds (final norm, head)."""
+
+
+def gpt_shape(vocab: int, seq_len: int, d_model: int, n_layers: int, n_heads: int, ffn_mult: int) -> Shape:
+    """Exact parameter counts of training.models.gpt.GPT (no biases in linears, untied head)."""
+    hidden_ffn = ffn_mult * d_model
+    linears = 4 * d_model * d_model + 2 * d_model * hidden_ffn
+    block = linears + 2 * 2 * d_model  # two LayerNorms, weight and bias
+    first = vocab * d_model + seq_len * d_model
+    last = 2 * d_model + d_model * vocab
+    return Shape(first + n_layers * block + last, n_layers, n_layers * linears, d_model, seq_len, n_heads, vocab,
+                 first, last)
+
+
+def mlp_shape(in_features: int, hidden: int, depth: int, classes: int) -> Shape:
+    dims = [in_features, *([hidden] * depth)]
+    body = sum(a * b + b for a, b in zip(dims, dims[1:], strict=False))
+    head = dims[-1] * classes + classes
+    return Shape(body + head, depth, 0, hidden, 1, 1, classes, 0, head)
+
+
+def gpt_flops_per_token(shape: Shape) -> float:
+    """Training FLOPs per token: 6 per parameter (fwd 2, bwd 4) plus attention's score and value
+    products, 12·L·h·s (PaLM's appendix B)."""
+    return 6 * shape.params + 12 * shape.layers * shape.hidden * shape.seq_len
+
+
+# ---- memory ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Degrees:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class Memory:
+    param_bytes: float
+    grad_bytes: float
+    optim_bytes: float
+    activation_bytes: float
+
+    @property
+    def total(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.optim_bytes + self.activation_bytes
+
+
+def params_per_rank(shape: Shape, d: Degrees) -> float:
+    """Parameters one rank holds before data-parallel sharding: TP splits the block linears,
+    PP keeps a 1/pp share of the blocks plus the heaviest end (first or last stage)."""
+    linears = shape.block_linear_params
+    blocks = shape.params - shape.first_stage_params - shape.last_stage_params
+    per_block = (blocks - linears) + linears / d.tp
+    if d.pp == 1:
+        return shape.first_stage_params + shape.last_stage_params + per_block
+    return per_block / d.pp + max(shape.first_stage_params, shape.last_stage_params)
+
+
+def state_memory(shape: Shape, strategy: str, d: Degrees, mixed: bool, reshard: bool = True) -> Memory:
+    """Parameters, gradients and optimizer state per rank (the ZeRO paper's accounting)."""
+    p_bytes, g_bytes, o_bytes = ADAM_MIXED if mixed else ADAM_FP32
+    psi = params_per_rank(shape, d)
+    shard = d.dp_shard
+    if strategy == "zero1":
+        return Memory(p_bytes * psi, g_bytes * psi, o_bytes * psi / d.dp, 0)
+    if strategy == "zero2" or (shard > 1 and not reshard):
+        return Memory(p_bytes * psi, g_bytes * psi / shard, o_bytes * psi / shard, 0)
+    return Memory(p_bytes * psi / shard, g_bytes * psi / shard, o_bytes * psi / shard, 0)
+
+
+def activation_tensor_bytes(batch: int, seq: int, hidden: int, dtype_bytes: int) -> int:
+    """One b x s x h activation (the seed's 32 x 512 x 1024 x 4 B = 64 MiB)."""
+    return batch * seq * hidden * dtype_bytes
+
+
+def gpt_activation_bytes(shape: Shape, micro_batch: int, d: Degrees, dtype_bytes: int, checkpointing: bool,
+                         microbatches: int = 1) -> float:
+    """Activations one rank saves for backward (Korthikanti et al., without dropout masks).
+
+    16-bit: s·b·h·(34 + 5·a·s/h) per layer, with the 24-byte and attention terms split over TP
+    ranks; fp32 doubles every term. Full checkpointing keeps only each block's input. A pipeline
+    stage holds its own layers, for the microbatches in flight: min(m, p) of the m microbatches
+    (each b/m samples) under 1F1B."""
+    s, h, a = shape.seq_len, shape.hidden, shape.heads
+    layers = math.ceil(shape.layers / d.pp)
+    if checkpointing:
+        per_layer = float(activation_tensor_bytes(micro_batch, s, h, dtype_bytes))
+    else:
+        per_layer = s * micro_batch * h * (10 + 24 / d.tp + 5 * a * s / (h * d.tp)) * dtype_bytes / 2
+    in_flight = min(microbatches, d.pp) / microbatches if d.pp > 1 else 1.0
+    return layers * per_layer * in_flight
+
+
+# ---- communication --------------------------------------------------------------------------
+
+
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    """An α–β model of one collective over one kind of link."""
+
+    alpha_s: float
+    """Latency per call at `world`."""
+    busbw_gbps: float
+    """Asymptotic bus bandwidth (GB/s, 1e9 bytes)."""
+    world: int
+    """The world size the fit was measured at."""
+
+    def time(self, collective: str, nbytes: float, n: int) -> float:
+        """Seconds for one call of `nbytes` over `n` ranks (ring latency grows with n − 1)."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        alpha = self.alpha_s * (n - 1) / max(self.world - 1, 1)
+        return alpha + nbytes * BUS_FACTOR[collective](n) / (self.busbw_gbps * 1e9)
+
+
+def fit_link(points: list[tuple[int, float]], collective: str, world: int) -> Link:
+    """Fit α and busbw to measured (bytes, seconds) of one collective at `world` ranks: α from the
+    smallest messages, the bandwidth by least squares through the large ones."""
+    if len(points) < 2:
+        raise ValueError(f"need at least 2 measured sizes of {collective} to fit latency and bandwidth")
+    points = sorted(points)
+    alpha = sorted(t for _, t in points[:3])[len(points[:3]) // 2]
+    factor = BUS_FACTOR[collective](world)
+    large = points[len(points) // 2:]
+    xs = [b * factor for b, _ in large]
+    ys = [max(t - alpha, 1e-12) for _, t in large]
+    slope = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    return Link(alpha_s=alpha, busbw_gbps=1 / slope / 1e9, world=world)
+
+
+def pipeline_bubble(pp: int, microbatches: int) -> float:
+    """Idle fraction of a GPipe/1F1B step: (p − 1) / (m + p − 1)."""
+    return (pp - 1) / (microbatches + pp - 1) if pp > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class Comm:
+    """Seconds per optimizer step one rank spends in each kind of communication."""
+
+    data_parallel_s: float
+    """Gradient reduction and parameter gathering: can overlap with backward."""
+    tensor_parallel_s: float
+    """Activation all-reduces inside every block: on the critical path."""
+    pipeline_s: float
+    """Activations and their gradients sent between stages."""
+
+
+def comm_time(shape: Shape, strategy: str, d: Degrees, micro_batch: int, grad_accum: int, microbatches: int,
+              dtype_bytes: int, link: Callable[[str, int], Link]) -> Comm:
+    """Per-step communication of each strategy in seconds (ZeRO's, Megatron's and GPipe's
+    volumes); `link(collective, ranks)` is the fitted α–β model for that collective and span."""
+    psi = params_per_rank(shape, d)
+    grads = 4 * psi  # reduced in fp32 (DDP's buckets; FSDP's reduce_dtype)
+    params = dtype_bytes * psi
+    n, world = d.dp, d.world
+
+    def call(collective: str, nbytes: float, ranks: int) -> float:
+        return link(collective, world).time(collective, nbytes, ranks)
+
+    if n == 1:
+        dp_s = 0.0
+    elif strategy == "zero1":
+        dp_s = call("all_reduce", grads, n) + call("all_gather", params, n)
+    elif strategy == "zero2":
+        dp_s = call("reduce_scatter", grads, n) + call("all_gather", params, n)
+    elif d.dp_shard > 1:  # zero3 / FSDP: gather in forward and again in backward
+        dp_s = 2 * call("all_gather", params, n) + call("reduce_scatter", grads, n)
+    else:
+        dp_s = call("all_reduce", grads, n)
+    activation = activation_tensor_bytes(micro_batch, shape.seq_len, shape.hidden, dtype_bytes)
+    layers = math.ceil(shape.layers / d.pp)
+    tp_s = 4 * layers * grad_accum * link("all_reduce", d.tp).time("all_reduce", activation, d.tp)
+    pp_s = 0.0
+    if d.pp > 1:
+        pp_s = 2 * microbatches * grad_accum * call("broadcast", activation / microbatches, 2)
+    return Comm(dp_s, tp_s, pp_s)
+
+
+# ---- step time ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    compute_s: float
+    exposed_comm_s: float
+    bubble_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s + self.bubble_s
+
+
+def step_time(compute_s: float, comm: Comm, d: Degrees, microbatches: int, overlap: float) -> StepPrediction:
+    """compute + exposed communication + pipeline bubble.
+
+    `compute_s` is the whole step's compute on one rank (its share of the model and batch).
+    Data-parallel traffic hides behind the backward pass (2/3 of compute) up to `overlap`;
+    tensor- and pipeline-parallel traffic is on the critical path."""
+    hidden = overlap * compute_s * 2 / 3
+    exposed = max(comm.data_parallel_s - hidden, 0.0) + comm.tensor_parallel_s + comm.pipeline_s
+    bubble = (compute_s + exposed) * pipeline_bubble(d.pp, microbatches) / (1 - pipeline_bubble(d.pp, microbatches))
+    return StepPrediction(compute_s, exposed, bubble)
+
+
+# ---- predictions ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the predictions run on: measured (this machine) or described by a cluster preset."""
+
+    device_memory_bytes: float
+    devices_per_node: int
+    intra: dict[str, Link]
+    """α–β per collective inside a node."""
+    inter: dict[str, Link]
+    """α–β per collective across nodes."""
+    seconds_per_sample: float
+    """Forward + backward + step compute of one sample on one device."""
+    cores: int | None = None
+    """CPU hosts: the cores the ranks share; None for GPUs (every rank has its own device)."""
+    threads_per_device: int = 1
+    """CPU hosts: threads one rank computes with (the measured "device")."""
+
+    def compute_per_sample(self, world: int) -> float:
+        """Per-sample compute of one rank when `world` ranks run: constant on GPUs; on a CPU host,
+        once the ranks' threads outnumber its cores they time-share them."""
+        if self.cores is None:
+            return self.seconds_per_sample
+        return self.seconds_per_sample * max(1.0, world * self.threads_per_device / self.cores)
+
+    def link(self, collective: str, ranks: int) -> Link:
+        links = self.intra if ranks <= self.devices_per_node else self.inter
+        return links.get(collective) or links["all_reduce"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    shape: Shape
+    micro_batch: int
+    grad_accum: int
+    microbatches: int
+    mixed: bool
+    checkpointing: bool
+    tokens_per_sample: int
+    activation_bytes_per_sample: float | None
+    """Measured on one device; None uses the analytic GPT formula."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    strategy: str
+    devices: int
+    fits: bool
+    memory_per_device_bytes: float
+    step_time_s: float
+    tokens_per_s: float
+    scaling_efficiency: float
+    samples_per_s: float
+    exposed_comm_s: float
+    bubble_s: float
+
+
+PRESET_DEGREES = {
+    "ddp": lambda n: Degrees(dp_replicate=n),
+    "zero1": lambda n: Degrees(dp_replicate=n),
+    "zero2": lambda n: Degrees(dp_shard=n),
+    "zero3": lambda n: Degrees(dp_shard=n),
+    "tp": lambda n: Degrees(tp=n),
+    "pp": lambda n: Degrees(pp=n),
+}
+
+
+def feasible(shape: Shape, d: Degrees, w: Workload) -> bool:
+    """Whether the model can be laid out so (TP divides heads and widths; PP has a layer per stage)."""
+    if d.tp > 1 and (shape.block_linear_params == 0 or shape.heads % d.tp or shape.hidden % d.tp):
+        return False
+    return d.pp <= shape.layers and (d.pp == 1 or w.micro_batch % w.microbatches == 0)
+
+
+def memory_per_device(w: Workload, strategy: str, d: Degrees) -> float:
+    state = state_memory(w.shape, strategy, d, w.mixed)
+    if w.activation_bytes_per_sample is not None and not w.checkpointing:
+        layers_share = math.ceil(w.shape.layers / d.pp) / max(w.shape.layers, 1)
+        in_flight = min(w.microbatches, d.pp) / w.microbatches if d.pp > 1 else 1.0
+        activations = w.activation_bytes_per_sample * w.micro_batch * layers_share * in_flight / d.tp
+    else:
+        activations = gpt_activation_bytes(w.shape, w.micro_batch, d, 2 if w.mixed else 4, w.checkpointing,
+                                           w.microbatches)
+    return state.total + activations
+
+
+def predict(w: Workload, hw: Hardware, strategy: str, devices: int, memory_limit: float, overlap: float,
+            single_device_samples_per_s: float) -> Prediction | None:
+    """Step time, throughput, memory and efficiency of `strategy` on `devices`; None if impossible."""
+    d = PRESET_DEGREES[strategy](devices)
+    if not feasible(w.shape, d, w):
+        return None
+    dtype_bytes = 2 if w.mixed else 4
+    comm = comm_time(w.shape, strategy, d, w.micro_batch, w.grad_accum, w.microbatches, dtype_bytes, hw.link)
+    compute = hw.compute_per_sample(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp)
+    step = step_time(compute, comm, d, w.microbatches, overlap)
+    samples_per_s = w.micro_batch * w.grad_accum * d.dp / step.step_s
+    memory = memory_per_device(w, strategy, d)
+    return Prediction(
+        strategy=strategy,
+        devices=devices,
+        fits=memory <= memory_limit,
+        memory_per_device_bytes=memory,
+        step_time_s=step.step_s,
+        tokens_per_s=samples_per_s * w.tokens_per_sample,
+        scaling_efficiency=samples_per_s / (devices * single_device_samples_per_s),
+        samples_per_s=samples_per_s,
+        exposed_comm_s=step.exposed_comm_s,
+        bubble_s=step.bubble_s,
+    )
+
+
+def device_counts(max_devices: int, requested: int) -> list[int]:
+    """1, 2, 4 ... up to max_devices, plus the requested world."""
+    counts = {requested}
+    n = 1
+    while n <= max_devices:
+        counts.add(n)
+        n *= 2
+    return sorted(counts)
