@@ -122,7 +122,59 @@ def bench_tracking() -> list[Row]:
                 statistics.median(off), "samples/s", ">= 0.98")]
 
 
-BENCHES = [bench_train_loop, bench_tracking, bench_probe, bench_cache, bench_startup]
+def _slurm_up() -> bool:
+    import shutil
+
+    if shutil.which("sinfo") is None:
+        return False
+    probe = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+    return probe.returncode == 0 and bool({"idle", "mix", "alloc"} & set(probe.stdout.split()))
+
+
+def bench_launchers() -> list[Row]:
+    """6. The same train via ray (and slurm, where a cluster answers) vs local: wall seconds of the
+    invocation (start-up included) and the stage's steady-state samples/s, alternating."""
+    launchers = ["ray"] + (["slurm"] if _slurm_up() else [])
+    if "slurm" not in launchers:
+        print("   (slurm: no cluster answers here; `bash scripts/slurm-local.sh up` to include it)")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        args = ["experiment=smoke", "train.steps=60", "tracking=none", "only=[train]", "force=[train]"]
+        for launcher in launchers:
+            seconds: dict[str, list[float]] = {launcher: [], "local": []}
+            speed: dict[str, list[float]] = {launcher: [], "local": []}
+            for i in range(2):
+                for name in (launcher, "local"):
+                    wall, _ = _cli(Path(tmp), *args, f"launcher={name}", f"hydra.run.dir={name}{i}")
+                    summary = json.loads((Path(tmp) / f"{name}{i}/summary.json").read_text())
+                    seconds[name].append(wall)
+                    speed[name].append(summary["stages"]["train"]["result"]["samples_per_s"])
+            rows.append(Row(f"launcher {launcher} vs local, train invocation wall time", statistics.median(seconds[launcher]),
+                            statistics.median(seconds["local"]), "s", "-"))
+            rows.append(Row(f"launcher {launcher} vs local, train samples/s", statistics.median(speed[launcher]),
+                            statistics.median(speed["local"]), "samples/s", ">= 0.95"))
+    return rows
+
+
+def bench_planner() -> list[Row]:
+    """7. The plan's predicted step time and memory vs the measured ones, ddp and zero3 at world 1, 2, 4."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for strategy in ("ddp", "zero3"):
+            for nodes in (1, 2, 4):
+                name = f"{strategy}{nodes}"
+                _cli(Path(tmp), f"strategy={strategy}", f"nodes={nodes}", "tracking=none", "train.steps=60",
+                     "bandwidth.max_bytes=16777216", f"hydra.run.dir={name}")
+                train = json.loads((Path(tmp) / f"{name}/summary.json").read_text())["stages"]["train"]["result"]
+                check = train["prediction"]
+                rows.append(Row(f"planner, {strategy} world {nodes}: step time measured vs predicted",
+                                train["step_time_s"] * 1e3, check["step_time_s"] * 1e3, "ms", "within 15 %"))
+                rows.append(Row(f"planner, {strategy} world {nodes}: peak memory measured vs predicted",
+                                train["peak_memory_bytes"] / MIB, check["memory_bytes"] / MIB, "MiB", "within 10 %"))
+    return rows
+
+
+BENCHES = [bench_train_loop, bench_tracking, bench_probe, bench_cache, bench_startup, bench_launchers, bench_planner]
 
 
 def machine() -> str:

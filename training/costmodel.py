@@ -290,8 +290,14 @@ class Hardware:
         return self.seconds_per_sample * max(1.0, world * self.threads_per_device / self.cores)
 
     def link(self, collective: str, ranks: int) -> Link:
+        """The fitted link for `collective` over `ranks`; with nothing measured (a world of one)
+        only single-rank calls, which cost nothing, can be asked for."""
         links = self.intra if ranks <= self.devices_per_node else self.inter
-        return links.get(collective) or links["all_reduce"]
+        found = links.get(collective) or links.get("all_reduce")
+        if found is None:
+            assert ranks <= 1, "no bandwidth measured: nothing to predict beyond one device"
+            return Link(alpha_s=0.0, busbw_gbps=float("inf"), world=1)
+        return found
 
 
 @dataclass(frozen=True)

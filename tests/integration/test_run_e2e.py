@@ -212,3 +212,25 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+@pytest.mark.slow
+def test_four_invocations_at_once_share_outputs_and_the_sqlite_store(tmp_path):
+    """Four drivers start together on a brand-new MLflow store (its schema is created under a lock)."""
+    procs = [
+        subprocess.Popen([sys.executable, str(ROOT / "run.py"), "experiment=smoke", "nodes=1", "only=[lr_find]",
+                          f"seed={seed}", f"hydra.run.dir=run{seed}"], cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for seed in range(4)
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], outputs
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/outputs/mlflow.db")
+    experiment = client.get_experiment_by_name("scalestudy")
+    runs = client.search_runs([experiment.experiment_id], max_results=100)
+    parents = {r.info.run_id for r in runs if "mlflow.parentRunId" not in r.data.tags}
+    assert parents == {summary_of(tmp_path / f"run{seed}")["mlflow_run_id"] for seed in range(4)}
+    entries = list((tmp_path / "outputs/cache/lr_find").iterdir())
+    assert len(entries) == 4 and all((e / "entry.json").exists() for e in entries)
