@@ -34,7 +34,7 @@ from training.costmodel import (
 )
 from training.dist import synchronize
 from training.flops import flops_per_sample
-from training.memory import device_memory_bytes, measure_step
+from training.memory import AuditRow, device_memory_bytes, measure_step, memory_audit
 from training.models import loss_fn, tokens_per_sample
 from training.parallel.compose import resolve_dims
 
@@ -75,6 +75,8 @@ class Rulers:
     busbw_gbps: float | None
     """Measured all_reduce busbw at the probe's largest size; None when not measured."""
     ruler_gbps: float
+    memory_audit: list[AuditRow]
+    """Memory in use after each top-level module of one forward and backward (the seed's audit)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,10 @@ class PlanResult:
         return (f"{self.recommended_strategy} at {self.world_size}: predicted {chosen.tokens_per_s:.0f} tokens/s, "
                 f"efficiency {chosen.scaling_efficiency:.2f}, {chosen.memory_per_device_bytes / GIB:.3f} GiB per device")
 
+    @property
+    def memory_audit(self) -> list[AuditRow]:
+        return self.rulers.memory_audit if self.rulers is not None else []
+
     def prediction(self, strategy: str, devices: int) -> Prediction | None:
         return next((p for p in self.predictions if p.strategy == strategy and p.devices == devices), None)
 
@@ -148,6 +154,7 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:
     micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
     x, y = inputs[:micro], targets[:micro]
     flops = flops_per_sample(model, loss_fn, x, y)
+    audit = memory_audit(model, lambda: loss_fn(model, x, y), dev)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(zero: bool = True) -> None:
@@ -180,6 +187,7 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:
         threads=torch.get_num_threads(),
         busbw_gbps=bandwidth.largest_all_reduce_busbw_gbps,
         ruler_gbps=bandwidth.ruler_gbps,
+        memory_audit=audit,
     )
 
 

@@ -10,6 +10,8 @@ from stages.env_check import EnvResult
 from stages.lr_find import LrFindResult
 from stages.plan import PlanResult
 from stages.train import TrainResult
+from training.memory import audit_table
+from training.profile import split_table
 
 GIB = 1024**3
 
@@ -114,6 +116,8 @@ def markdown(env: EnvResult, bandwidth: BandwidthResult, lr: LrFindResult, plan:
             if m.bytes == largest
         ]
         lines.append("")
+    if train.time_split:
+        lines += ["## Where a step's time goes (torch.profiler, rank 0)", "", split_table(train.time_split)]
     lines += ["## Learning rate", "", lr.headline(), ""]
     lines += [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
@@ -131,8 +135,15 @@ def run(cfg: ReportInputs, *, env: EnvResult, bandwidth: BandwidthResult, lr_fin
         _plot_busbw(bandwidth, artifacts / "busbw.png")
         plots.insert(1, "busbw.png")
     (artifacts / "report.md").write_text(markdown(env, bandwidth, lr_find, plan, train, plots))
+    tables = []
+    if train.time_split:
+        (artifacts / "time_split.md").write_text(split_table(train.time_split))
+        tables.append("time_split.md")
+    if plan.memory_audit:
+        (artifacts / "memory_audit.md").write_text(audit_table(plan.memory_audit))
+        tables.append("memory_audit.md")
     return ReportResult(
-        files=["report.md", *plots],
+        files=["report.md", *plots, *tables],
         scaling_efficiency=train.scaling_efficiency,
         samples_per_s=train.samples_per_s,
     )

@@ -27,6 +27,7 @@ from training.lr_finder import scale_lr
 from training.memory import StepProbe
 from training.models import logits_loss, tokens_per_sample
 from training.parallel.compose import build_optimizer, parallelize
+from training.profile import StepProfiler, TimeSplit
 
 GIB = 1024**3
 
@@ -121,6 +122,8 @@ class TrainResult:
     """strategy.time_buckets: each DDP bucket all-reduce's time, launch to completion, in order."""
     prediction: PredictionCheck | None
     """The plan's prediction for this run and its relative errors."""
+    time_split: list[TimeSplit]
+    """torch.profiler's split of a step into communication, matmul, memcpy and other (rank 0)."""
 
     def metrics(self) -> list[tuple[str, float, int]]:
         out = [("train/loss", loss, step) for step, loss in enumerate(self.losses, 1)]
@@ -157,6 +160,7 @@ class TrainResult:
                 "plan/efficiency_error_pct": p.efficiency_error_pct,
                 "plan/memory_error_pct": p.memory_error_pct,
             })
+        scalars.update({f"profile/{s.kind}_ms_per_step": s.ms_per_step for s in self.time_split})
         if self.bucket_allreduce_ms:
             scalars["comm/ddp_bucket_allreduce_ms_median"] = statistics.median(self.bucket_allreduce_ms)
             out += [("comm/ddp_bucket_allreduce_ms", ms, i) for i, ms in enumerate(self.bucket_allreduce_ms)]
@@ -214,6 +218,10 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
         scheduler.step()
     if resume:
         log("train", f"resumed from the checkpoint of step {resume.step}")
+    first = resume.step if resume else 0
+    # Profile between the memory-probed first step and the timed window, so neither is disturbed.
+    count = min(t.profile_steps, t.timing_warmup - 1, t.steps - first - 1)
+    profiler = StepProfiler(first + 1, count, bench.dev) if count > 0 else None
     stats = train_loop(
         parallel, optimizer, scheduler, bench.pool, batches, t.steps, t.grad_clip, t.log_every, t.timing_warmup,
         bench.dev,
@@ -223,6 +231,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
         on_checkpoint=lambda step, losses, lrs: checkpoint.save(
             checkpoints, step, parallel.model, optimizer, losses, lrs, layout, zero1),
         probe=StepProbe(parallel.model, bench.dev),
+        profiler=profiler,
     )
     world = dims.world_size
     samples_per_s = stats.timed_steps * batches.global_batch / stats.timed_seconds
@@ -268,6 +277,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
         mfu_pct=100 * plan.flops_per_sample * per_device / peak if peak else None,
         device=str(bench.dev),
         bucket_allreduce_ms=parallel.bucket_timer.ms if parallel.bucket_timer is not None else [],
+        time_split=profiler.split if profiler is not None else [],
         prediction=check_prediction(plan, strategy.name, world, step_time, samples_per_s, efficiency,
                                     memory.peak_bytes),
         ranks_in_sync=all(len({d for s, d in digests if s == k}) == 1 for k in {s for s, _ in digests}),

@@ -194,6 +194,9 @@ class TrainConfig:
     """Steps between host syncs that read the loss (the hot loop never syncs otherwise)."""
     timing_warmup: int = 3
     """First steps excluded from throughput (allocator and cache warm-up)."""
+    profile_steps: int = 2
+    """Steps profiled with torch.profiler (after the first, before the timed window) to split a
+    step's time into communication, matmul, memcpy and other; 0 disables."""
     ckpt_every: int = 0
     """Save a distributed checkpoint every this many steps (0: never); a re-run after a crash
     resumes from the last one."""
@@ -205,7 +208,7 @@ class TrainConfig:
         for key in ("steps", "micro_batch", "grad_accum", "log_every"):
             _at_least(key, getattr(self, key), 1)
         _at_least("global_batch", self.global_batch, 1)
-        for key in ("warmup_steps", "timing_warmup", "ckpt_every"):
+        for key in ("warmup_steps", "timing_warmup", "ckpt_every", "profile_steps"):
             _at_least(key, getattr(self, key), 0)
         if self.lr is not None and self.lr <= 0:
             raise ConfigError("lr", self.lr, "must be a number > 0, or null to use lr_find's LR")

@@ -19,6 +19,7 @@ from training.data import GlobalBatches
 from training.dist import all_reduce_sum, synchronize
 from training.memory import StepMemory, StepProbe
 from training.parallel.compose import Parallel, clip_grad_norm
+from training.profile import StepProfiler
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,10 @@ def train_loop(
     ckpt_every: int = 0,
     on_checkpoint: Callable[[int, list[float], list[float]], None] | None = None,
     probe: StepProbe | None = None,
+    profiler: StepProfiler | None = None,
 ) -> LoopStats:
-    """Run optimizer steps [resume.step or 0, steps). `probe`, if given, measures the first one."""
+    """Run optimizer steps [resume.step or 0, steps). `probe`, if given, measures the first one;
+    `profiler` profiles the steps it covers (keep them out of the timed window)."""
     inputs, targets = pool
     first = resume.step if resume else 0
     losses: list[float] = list(resume.losses) if resume else []
@@ -86,6 +89,8 @@ def train_loop(
         if step == timed_from:
             synchronize(dev)
             start = time.perf_counter()
+        if profiler is not None and step == profiler.first:
+            profiler.start()
         lrs.append(optimizer.param_groups[0]["lr"])
         step_loss = torch.zeros((), device=dev)
         measuring = probe if probe is not None and step == first else contextlib.nullcontext()
@@ -105,6 +110,9 @@ def train_loop(
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         pending.append(step_loss)
+        if profiler is not None and step == profiler.first + profiler.count - 1:
+            synchronize(dev)
+            profiler.stop()
         done = step + 1
         checkpoint = ckpt_every > 0 and done % ckpt_every == 0 and done < steps
         if done % log_every == 0 or done == steps or checkpoint:

@@ -140,3 +140,91 @@ def device_memory_bytes(dev: torch.device, ranks_per_host: int) -> int:
     with open("/proc/meminfo") as f:
         total_kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
     return total_kib * 1024 // max(ranks_per_host, 1)
+
+
+@dataclass(frozen=True)
+class AuditRow:
+    phase: str
+    """`forward` or `backward`."""
+    module: str
+    live_bytes: int
+    """Memory in use right after this module (CUDA allocator, or counted from the tensors)."""
+    peak_bytes: int
+    """The highest in-use memory seen so far."""
+
+
+def top_level_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Embedding, each block, head...: the model's children, with block containers expanded."""
+    out = []
+    for name, child in model.named_children():
+        if isinstance(child, nn.ModuleDict | nn.ModuleList):
+            out += [(f"{name}.{key}", block) for key, block in child.named_children()]
+        else:
+            out.append((name, child))
+    return out
+
+
+def memory_audit(model: nn.Module, loss: Callable[[], torch.Tensor], dev: torch.device) -> list[AuditRow]:
+    """The memory in use after each top-level module of one forward and one backward.
+
+    On CPU the live set is counted: parameters + the activations saved so far (attributed to the
+    module that saved them) + gradients; a module's activations are freed once its backward ran."""
+    modules = top_level_modules(model)
+    params = sum(tensor_bytes(p) for p in model.parameters())
+    saved: dict[str, int] = {}
+    done: set[str] = set()
+    rows: list[AuditRow] = []
+    current = [""]
+    param_ptrs = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        local = _local(t)
+        try:
+            ptr = local.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            ptr = id(t)
+        if ptr not in param_ptrs and ptr not in seen:
+            seen.add(ptr)
+            saved[current[0]] = saved.get(current[0], 0) + tensor_bytes(local)
+        return t
+
+    def live() -> int:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            return torch.cuda.memory_allocated(dev)
+        grads = sum(tensor_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+        return params + grads + sum(v for k, v in saved.items() if k not in done)
+
+    def record(phase: str, name: str) -> None:
+        now = live()
+        peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else max([now, *(r.peak_bytes for r in rows)])
+        rows.append(AuditRow(phase, name, now, peak))
+
+    def after_backward(name: str) -> None:
+        done.add(name)
+        record("backward", name)
+
+    handles = []
+    for name, module in modules:
+        handles.append(module.register_forward_pre_hook(lambda m, a, n=name: current.__setitem__(0, n)))
+        handles.append(module.register_forward_hook(lambda m, a, o, n=name: record("forward", n)))
+        handles.append(module.register_full_backward_hook(lambda m, gi, go, n=name: after_backward(n)))
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            value = loss()
+        value.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.zero_grad(set_to_none=True)
+    return rows
+
+
+def audit_table(rows: list[AuditRow]) -> str:
+    gib = 1024**3
+    lines = ["| phase | module | in use (GiB) | peak so far (GiB) |", "|---|---|---:|---:|"]
+    lines += [f"| {r.phase} | {r.module} | {r.live_bytes / gib:.6f} | {r.peak_bytes / gib:.6f} |" for r in rows]
+    return "\n".join(lines) + "\n"
