@@ -71,6 +71,8 @@ class MlflowTracker:
         db = sqlite_path(cfg.uri)
         if db is not None:
             db.parent.mkdir(parents=True, exist_ok=True)
+        elif cfg.uri.startswith(("http://", "https://")):
+            _check_server(cfg.uri)
         with _schema_lock(db):
             # The first client call on a new sqlite file migrates its schema; concurrent first
             # calls can corrupt it for good (FACTS.md), hence the file lock around it.
@@ -131,6 +133,21 @@ class MlflowTracker:
             self.client.log_batch(run_id, params=param_list[i : i + 100])
         for i in range(0, len(metric_list), BATCH):
             self.client.log_batch(run_id, metrics=metric_list[i : i + BATCH])
+
+
+def _check_server(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds on a server that doesn't answer (MLflow's own client retries for minutes)."""
+    import urllib.error
+    import urllib.request
+
+    from pipelines.redact import redact_text
+
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        reason = getattr(err, "reason", err)
+        raise ConfigError("tracking.uri", redact_text(uri), f"no MLflow server answers there ({reason}); start one "
+                          "or use sqlite:///outputs/mlflow.db") from None
 
 
 def _param_value(value: Any) -> str:

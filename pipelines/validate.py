@@ -11,6 +11,7 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
+from pipelines.redact import redact_text
 from pipelines.schema import Config
 from training.config import ConfigError
 from training.parallel.dims import ParallelDims
@@ -40,6 +41,7 @@ def resolve(cfg: Config, gpus_per_node: int | None = None) -> Config:
     _check_batches(cfg, dims)
     _check_stage_names(cfg)
     _check_outputs(cfg)
+    _check_no_secrets_in_scripts(cfg)
     return cfg
 
 
@@ -114,6 +116,14 @@ def _check_stage_names(cfg: Config) -> None:
         for name in getattr(cfg, key):
             if name not in cfg.pipeline.stages:
                 raise ConfigError(key, name, f"is not a stage of pipeline={cfg.pipeline.name}; stages: {', '.join(known)}")
+
+
+def _check_no_secrets_in_scripts(cfg: Config) -> None:
+    """Setup lines go into generated sbatch scripts: a secret there would sit in clear on disk."""
+    for line in cfg.launcher.setup:
+        if redact_text(line) != line:
+            raise ConfigError("launcher.setup", redact_text(line), "would write a secret into generated job scripts; "
+                              "export it in the submitting shell instead (Slurm passes the environment on)")
 
 
 def _check_outputs(cfg: Config) -> None:

@@ -98,6 +98,7 @@ class LocalLauncher:
                     )
                 )
                 log.close()
+                (workdir / f"rank{rank}.pid").write_text(str(procs[-1].pid))
             self._wait(procs, workdir)
         finally:
             _kill(procs)

@@ -21,6 +21,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _no_worker_left(workdir) -> None:
+    pids = [int(p.read_text()) for p in workdir.glob("rank*.pid")]
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids), "no worker outlives its stage"
+
+
 def test_rank0_result_comes_back():
     result = run_world(f"{W}:ranks_sum", world=2)
     assert result["sum"] == 3.0 and result["world"] == 2
@@ -31,6 +36,7 @@ def test_an_exception_names_the_rank_and_its_message(tmp_path):
     with pytest.raises(StageFailed, match=r"rank 1 failed: ValueError: planted failure on rank 1"):
         run_world(f"{W}:raise_on_rank1", world=2, workdir=tmp_path)
     assert "Traceback" in (tmp_path / "rank1.log").read_text()
+    _no_worker_left(tmp_path)
 
 
 def test_a_killed_rank_is_an_error_not_a_hang(tmp_path):
@@ -38,6 +44,7 @@ def test_a_killed_rank_is_an_error_not_a_hang(tmp_path):
     with pytest.raises(StageFailed, match="rank 1 was killed by SIGKILL"):
         run_world(f"{W}:kill_rank1", world=2, workdir=tmp_path, timeout_s=30, grace_s=2)
     assert time.monotonic() - start < 25
+    _no_worker_left(tmp_path)
 
 
 @pytest.mark.slow
@@ -49,3 +56,4 @@ def test_a_hung_rank_fails_on_the_collective_timeout(tmp_path):
     assert elapsed < 4 + 1 + 15, f"took {elapsed:.1f} s"
     for line in (tmp_path / "rank1.log").read_text().splitlines():
         assert "Traceback" not in line
+    _no_worker_left(tmp_path)

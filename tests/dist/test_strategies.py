@@ -118,3 +118,9 @@ def test_ddp_bucket_timing_records_every_bucket_of_every_step():
     assert len(result.bucket_allreduce_ms) >= 2 * steps, "a 50 KB cap splits the model into several buckets"
     # (DDP rebuilds its buckets after the first step, so the count per step may change once.)
     assert min(result.bucket_allreduce_ms) > 0
+
+
+def test_the_same_seed_strategy_and_world_give_the_same_curve_on_every_rerun():
+    first = run(WORLD2["zero3"], 2)
+    again = run_world("tests.dist.workers:train_any", (train_inputs(WORLD2["zero3"]), tempfile.mkdtemp()), world=2)
+    assert again.losses == first.losses, "bit for bit"

@@ -156,7 +156,7 @@ def test_dry_run_plans_a_32_rank_layout_in_seconds(tmp_path):
 def test_planted_secrets_never_reach_mlflow_or_the_summary(tmp_path):
     result = run_cli(tmp_path, "experiment=smoke", "nodes=1", "only=[lr_find]", "hydra.run.dir=secret",
                      "+launcher.additional_parameters.api_token=s3cr3tvalue",
-                     "launcher.setup=['export HF_TOKEN=t0kenvalue']")
+                     "+launcher.additional_parameters.x=https://u:t0kenvalue@h")
     assert result.returncode == 0, result.stderr
     written = [tmp_path / "outputs" / "mlflow.db", tmp_path / "secret" / "summary.json",
                *(tmp_path / "outputs" / "mlartifacts").rglob("*")]
@@ -169,7 +169,7 @@ def test_planted_secrets_never_reach_mlflow_or_the_summary(tmp_path):
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/outputs/mlflow.db")
     run = client.get_run(json.loads((tmp_path / "secret" / "summary.json").read_text())["mlflow_run_id"])
     assert run.data.params["launcher.additional_parameters.api_token"] == "***"
-    assert "HF_TOKEN=***" in run.data.params["launcher.setup"]
+    assert run.data.params["launcher.additional_parameters.x"] == "https://***@h"
 
 
 @pytest.mark.slow
