@@ -105,6 +105,9 @@ def job_parameters(cfg: LauncherConfig, world: WorldSpec, stage: str) -> dict[st
         # Job modules (pipelines, stages, the tests' workers) import from the project root.
         "slurm_setup": [f"export PYTHONPATH={ROOT}${{PYTHONPATH:+:$PYTHONPATH}}", *cfg.setup],
         "slurm_additional_parameters": dict(cfg.additional_parameters),
+        # A task that fails takes its peers down at once (launcher=local kills them after
+        # grace_s) instead of leaving them blocked in a collective until the time limit.
+        "slurm_srun_args": ["--kill-on-bad-exit=1"],
     }
     if cfg.gpus_per_node is not None:
         params["gpus_per_node"] = cfg.gpus_per_node

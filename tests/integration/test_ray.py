@@ -118,6 +118,16 @@ class TestTwoNodeCluster:
         assert env.world_size == 2 and env.nodes == 2
         assert sorted(r.node for r in env.ranks) == [0, 1]
 
+    def test_a_raising_rank_fails_the_stage_naming_it_and_no_worker_is_left(self, launcher, tmp_path):
+        with pytest.raises(StageFailed, match="rank 1 failed: ValueError: planted failure on rank 1"):
+            launch(launcher, "tests.dist.workers:raise_on_rank1", None, WorldSpec(2, 1), tmp_path)
+        pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+        assert len(pids) == 2
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+            time.sleep(0.5)
+        assert not any(Path(f"/proc/{pid}").exists() for pid in pids), "Ray ended the worker processes"
+
     def test_a_spread_world_larger_than_the_cluster_fails_at_once(self, launcher, tmp_path):
         start = time.monotonic()
         with pytest.raises(StageFailed, match=r"asked for 4 Ray workers x 1 CPU on 4 distinct nodes .* 2 alive node"):

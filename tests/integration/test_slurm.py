@@ -160,3 +160,14 @@ def test_submit_only_runs_the_pipeline_as_a_batch_job(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert {s["status"] for s in summary["stages"].values()} == {"ran"}, log
     assert summary["stages"]["env"]["result"]["nodes"] == 2
+
+
+def test_a_hung_rank_fails_within_the_collective_timeout_and_the_job_ends(tmp_path):
+    launcher = slurm(tmp_path, timeout_s=5)
+    start = time.monotonic()
+    with pytest.raises(StageFailed, match="ended FAILED"):
+        launcher.run(task(tmp_path, "tests.dist.workers:hang_rank1"), WorldSpec(2, 1))
+    assert time.monotonic() - start < 90, "rank 0's collective timeout ends the job, not the time limit"
+    job = launcher.job_ids["test"][0]
+    queued = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True)
+    assert queued.stdout.strip() == "", "the job, and every task of it, is gone"
