@@ -103,7 +103,7 @@ class TestTwoNodeCluster:
         try:
             cluster.add_node(num_cpus=1)
             cluster.wait_for_nodes()
-            cfg = LauncherConfig(name="ray", address=cluster.address, spread_nodes=True, timeout_s=60)
+            cfg = LauncherConfig(name="ray", address=cluster.address, spread_nodes=True, timeout_s=15)
             launcher = RayLauncher(cfg, tmp_path_factory.mktemp("run"))
             yield launcher
         finally:
@@ -127,6 +127,12 @@ class TestTwoNodeCluster:
         while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
             time.sleep(0.5)
         assert not any(Path(f"/proc/{pid}").exists() for pid in pids), "Ray ended the worker processes"
+
+    def test_a_hung_rank_fails_on_the_collective_timeout(self, launcher, tmp_path):
+        start = time.monotonic()
+        with pytest.raises(StageFailed, match="rank 0"):
+            launch(launcher, "tests.dist.workers:hang_rank1", None, WorldSpec(2, 1), tmp_path)
+        assert time.monotonic() - start < 15 + 45, "the 15 s collective timeout, plus a little"
 
     def test_a_spread_world_larger_than_the_cluster_fails_at_once(self, launcher, tmp_path):
         start = time.monotonic()

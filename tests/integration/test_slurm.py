@@ -171,3 +171,11 @@ def test_a_hung_rank_fails_within_the_collective_timeout_and_the_job_ends(tmp_pa
     job = launcher.job_ids["test"][0]
     queued = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True)
     assert queued.stdout.strip() == "", "the job, and every task of it, is gone"
+
+
+def test_a_killed_rank_fails_the_job_at_once(tmp_path):
+    launcher = slurm(tmp_path, timeout_s=30)
+    start = time.monotonic()
+    with pytest.raises(StageFailed, match="ended FAILED"):
+        launcher.run(task(tmp_path, "tests.dist.workers:kill_rank1"), WorldSpec(2, 1))
+    assert time.monotonic() - start < 60
