@@ -152,7 +152,9 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:
     model, dev = bench.model, bench.dev
     inputs, targets = bench.pool
     micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
-    x, y = inputs[:micro], targets[:micro]
+    # Copies, as the training loop's gathered batches are: a view would keep the whole pool's
+    # storage alive in autograd's saved tensors and be counted as activations.
+    x, y = inputs[:micro].clone(), targets[:micro].clone()
     flops = flops_per_sample(model, loss_fn, x, y)
     audit = memory_audit(model, lambda: loss_fn(model, x, y), dev)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -262,14 +264,15 @@ def flops_for_whatif(cfg: PlanInputs) -> float:
 
 def predictions(cfg: PlanInputs, w: Workload, hw: Hardware, world: int) -> list[Prediction]:
     limit = cfg.plan.memory_fraction * hw.device_memory_bytes
-    base = predict(w, hw, "ddp", 1, float("inf"), cfg.plan.overlap, 1.0)
+    overlap = cfg.plan.overlap if cfg.plan.overlap is not None else (0.0 if hw.cores else 1.0)
+    base = predict(w, hw, "ddp", 1, float("inf"), overlap, 1.0)
     single = base.samples_per_s
     out = []
     for devices in device_counts(cfg.plan.max_devices, world):
         if devices > 1 and not hw.intra:
             continue  # no bandwidth measured: nothing to predict beyond one device
         for strategy in cfg.plan.strategies:
-            p = predict(w, hw, strategy, devices, limit, cfg.plan.overlap, single)
+            p = predict(w, hw, strategy, devices, limit, overlap, single)
             if p is not None:
                 out.append(p)
     return out

@@ -314,9 +314,10 @@ class PlanConfig:
     """With busbw below the ruler, keep data parallelism within this many devices."""
     max_devices: int = 1024
     """Predict step time and efficiency for 1, 2, 4 ... up to this many devices."""
-    overlap: float = 1.0
-    """Fraction of the backward pass that data-parallel communication can hide behind
-    (DDP buckets and FSDP prefetch overlap; 0 = fully exposed)."""
+    overlap: float | None = None
+    """Fraction of the backward pass that data-parallel communication can hide behind; null: 1 on
+    GPUs (NCCL runs on its own stream beside the backward), 0 on CPU hosts (gloo's all-reduce needs
+    the same cores the backward does, so nothing hides)."""
     strategies: list[str] = field(default_factory=lambda: ["ddp", "zero1", "zero2", "zero3", "tp", "pp"])
     """Strategies the plan compares."""
 
@@ -326,7 +327,7 @@ class PlanConfig:
         _at_least("device_memory_bytes", self.device_memory_bytes, 1)
         _at_least("max_dp_low_bandwidth", self.max_dp_low_bandwidth, 1)
         _at_least("max_devices", self.max_devices, 1)
-        if not 0 <= self.overlap <= 1:
+        if self.overlap is not None and not 0 <= self.overlap <= 1:
             raise ConfigError("overlap", self.overlap, "must be in [0, 1]")
         for name in self.strategies:
             if name not in STRATEGIES or name in ("auto", "hybrid"):
