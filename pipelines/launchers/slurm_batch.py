@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pipelines.redact import redact_text
 from pipelines.schema import Config
 from training.config import ConfigError
 
@@ -74,6 +75,10 @@ def submit_pipeline(cfg: Config, run_dir: Path, overrides: list[str]) -> str:
     """Write and submit the pipeline job; return what to tell the user (job id, paths)."""
     if cfg.launcher.name != "slurm":
         raise ConfigError("launcher.submit_only", True, f"needs launcher=slurm, not launcher={cfg.launcher.name}")
+    for arg in overrides:
+        if redact_text(arg) != arg:
+            raise ConfigError("launcher.submit_only", True, f"the override {redact_text(arg)} carries a secret that "
+                              "would sit in clear in the batch script; pass it through the environment instead")
     cwd = Path(os.getcwd())
     run_dir.mkdir(parents=True, exist_ok=True)
     script = run_dir / SCRIPT_NAME

@@ -59,3 +59,15 @@ def test_pipeline_job_matches_the_golden_script(tmp_path):
     assert pipeline_overrides(overrides)[-1] == "launcher.submit_only=false"
     script = batch_script(cfg, tmp_path / "run", overrides, tmp_path, "/usr/bin/python3")
     check_golden("slurm_pipeline.sbatch", script, {str(tmp_path): "<TMP>", str(ROOT): "<ROOT>"})
+
+
+def test_submit_only_refuses_to_write_a_secret_into_the_batch_script(tmp_path, compose_cfg):
+    import pytest
+
+    from pipelines.launchers.slurm_batch import submit_pipeline
+    from training.config import ConfigError
+
+    cfg = compose_cfg("launcher=slurm", "launcher.submit_only=true")
+    with pytest.raises(ConfigError, match=r"https://\*\*\*@host"):
+        submit_pipeline(cfg, tmp_path / "run", ["launcher=slurm", "tracking.uri=https://me:pw@host"])
+    assert not (tmp_path / "run").exists(), "nothing written"
