@@ -32,6 +32,7 @@ from pipelines.launchers.worker import (
     teardown_torch,
 )
 from pipelines.schema import LauncherConfig
+from training.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 SIGNAL_DELAY_S = 90
@@ -119,6 +120,20 @@ def job_parameters(cfg: LauncherConfig, world: WorldSpec, stage: str) -> dict[st
     return params
 
 
+def check_partition(partition: str) -> None:
+    """A partition the cluster doesn't have is a one-line user error before any job is submitted."""
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ConfigError("launcher", "slurm", f"cannot ask Slurm for its partitions ({err}); run on a login node") from None
+    if out.returncode != 0:
+        reason = (out.stderr.strip().splitlines() or ["no answer"])[0]
+        raise ConfigError("launcher", "slurm", f"sinfo cannot reach the cluster ({reason})")
+    partitions = sorted(set(out.stdout.split()))
+    if partition not in partitions:
+        raise ConfigError("launcher.partition", partition, f"no such partition; this cluster has: {', '.join(partitions)}")
+
+
 class SlurmLauncher:
     """Submits each stage as a Slurm job and waits for it, printing its progress."""
 
@@ -126,6 +141,8 @@ class SlurmLauncher:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.job_ids: dict[str, list[str]] = {}
         """Every Slurm job id this launcher submitted, by stage (for the summary)."""
+        if cfg.partition is not None:
+            check_partition(cfg.partition)
 
     def executor(self, stage: str, world: WorldSpec) -> submitit.AutoExecutor:
         """The submitit executor of one stage's job; logs go to <run_dir>/slurm/<stage>."""
