@@ -35,6 +35,8 @@ class Outcome:
     error: str | None = None
     result: Any = None
     baseline: dict[str, Any] | None = None
+    entry: Entry | None = field(default=None, repr=False)
+    """The cache entry behind a ran or cached outcome (its metrics and artifacts are logged)."""
 
     def as_json(self) -> dict[str, Any]:
         data = {
@@ -139,9 +141,7 @@ class Runner:
         key = stage_key(name, stage.spec.fn, inputs, upstream, extra)
         entry = None if force else self.cache.load(name, key, stage.result_type)
         if entry is not None:
-            outcome = Outcome("cached", entry.seconds, key, result=entry.result)
-            outcome._entry = entry  # type: ignore[attr-defined]
-            return outcome
+            return Outcome("cached", entry.seconds, key, result=entry.result, entry=entry)
         staging = self.cache.staging(name)
         checkpoints = self.cache.checkpoints(name, key)
         if stage.wants_checkpoints:
@@ -164,9 +164,7 @@ class Runner:
         metrics = list(result.metrics()) if hasattr(result, "metrics") else []
         entry = self.cache.commit(staging, name, key, result, metrics, seconds)
         self.cache.discard(checkpoints)  # the result is stored: nothing left to resume
-        outcome = Outcome("ran", seconds, key, result=result)
-        outcome._entry = entry  # type: ignore[attr-defined]
-        return outcome
+        return Outcome("ran", seconds, key, result=result, entry=entry)
 
     def _launch(self, stage: Stage, task: Task, world: WorldSpec) -> Any:
         if stage.spec.resources != "driver":
@@ -179,7 +177,7 @@ class Runner:
             raise StageFailed(f"{type(err).__name__}: {err} (traceback: {task.workdir}/driver.log)") from err
 
     def _log(self, stage: Stage, outcome: Outcome) -> None:
-        entry: Entry | None = getattr(outcome, "_entry", None)
+        entry = outcome.entry
         tags = {"cached": str(outcome.status == "cached").lower(), "cache_key": outcome.key or ""}
         if outcome.error:
             tags["error"] = redact_text(outcome.error)[:5000]
