@@ -20,8 +20,10 @@ def make_launcher(cfg: LauncherConfig, run_dir: Path, world: int) -> Launcher:
 
         return RayLauncher(cfg, run_dir)
     if cfg.name == "slurm":
-        from pipelines.launchers.slurm import SlurmLauncher
+        from pipelines.launchers.slurm import SlurmLauncher, check_partition
 
+        if cfg.partition is not None:  # before any job: a wrong partition is a one-line user error
+            check_partition(cfg.partition)
         return SlurmLauncher(cfg, run_dir)
     raise AssertionError(f"unvalidated launcher {cfg.name}")
 

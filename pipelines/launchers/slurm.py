@@ -141,8 +141,6 @@ class SlurmLauncher:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.job_ids: dict[str, list[str]] = {}
         """Every Slurm job id this launcher submitted, by stage (for the summary)."""
-        if cfg.partition is not None:
-            check_partition(cfg.partition)
 
     def executor(self, stage: str, world: WorldSpec) -> submitit.AutoExecutor:
         """The submitit executor of one stage's job; logs go to <run_dir>/slurm/<stage>."""
