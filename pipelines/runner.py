@@ -266,7 +266,9 @@ def summary_table(summary: Summary) -> str:
         if outcome.result is not None and hasattr(outcome.result, "headline"):
             text = outcome.result.headline()
         else:
-            text = outcome.error or ""
+            # The full error (a job's stderr tail, say) was printed when the stage failed;
+            # a table row holds its first line.
+            text = (outcome.error or "").strip().split("\n", 1)[0]
         rows.append((name, outcome.status, f"{outcome.seconds:.1f}", text))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}" for r in rows]

@@ -2,8 +2,9 @@
 
 A `world` stage becomes a job of `nodes` x `procs_per_node` tasks; a `one_device` stage a 1-task
 job. Every task runs `SlurmTask`, which takes its place in the world from Slurm (submitit's
-TorchDistributedEnvironment: MASTER_ADDR is the first node, MASTER_PORT derived from the job id),
-initialises torch.distributed as the local worker does and calls the same `run_task`.
+TorchDistributedEnvironment: MASTER_ADDR is the first node), meets its peers through a TCPStore on
+a port rank 0 publishes in the job's folder, initialises torch.distributed as the local worker does
+and calls the same `run_task`.
 
 The job is requeueable: on preemption or time-out Slurm sends USR2, submitit calls
 `SlurmTask.checkpoint()`, which resubmits the same call; the train stage then resumes from its own
@@ -64,7 +65,7 @@ class SlurmTask(submitit.helpers.Checkpointable):
         # attempt (their peer vanished); job.results() would report it instead of this run's.
         submitit.JobEnvironment().paths.result_pickle.unlink(missing_ok=True)
         self._export_env()
-        setup_torch()
+        setup_torch(store=self._rendezvous() if self.distributed else None)
         result = run_task(self.task)
         teardown_torch()
         return result if os.environ["RANK"] == "0" else None
@@ -84,6 +85,41 @@ class SlurmTask(submitit.helpers.Checkpointable):
         })
         # Intra-op threads default to every core of the node; the job was given cpus_per_task.
         os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK", "1"))
+
+    def _rendezvous(self) -> Any:
+        """The job's TCPStore, on a port the OS chose on the first node.
+
+        submitit derives MASTER_PORT from the job id, a fixed pick in 20000-60000 that falls in
+        Linux's ephemeral range and collides with whatever socket holds it (CI saw EADDRINUSE).
+        Rank 0 binds port 0 instead and publishes the port in the job's folder, which every
+        task can read: the same shared filesystem the job's logs and results go through.
+        """
+        import datetime
+
+        import torch.distributed as dist
+
+        env = submitit.JobEnvironment()
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        restart = os.environ.get("SLURM_RESTART_COUNT", "0")  # a requeued attempt gets a new store
+        port_file = Path(env.paths.folder) / f"{env.job_id}.restart{restart}.port"
+        host, world_size = os.environ["MASTER_ADDR"], int(os.environ["WORLD_SIZE"])
+        if env.global_rank == 0:
+            store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False)
+            staging = port_file.with_suffix(".tmp")
+            staging.write_text(str(store.port))
+            staging.rename(port_file)
+        else:
+            deadline = time.monotonic() + self.timeout_s
+            while not port_file.exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank 0 of job {env.job_id} published no rendezvous port "
+                                       f"in {self.timeout_s:g} s ({port_file})")
+                time.sleep(0.05)
+            store = dist.TCPStore(host, int(port_file.read_text()), world_size, is_master=False,
+                                  timeout=timeout)
+        os.environ["MASTER_PORT"] = str(store.port)
+        return store
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission | None:
         """Resubmit the same call, unless the job was requeued `max_requeues` times already

@@ -51,7 +51,9 @@ def resolve_function(path: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def setup_torch() -> None:
+def setup_torch(store: Any = None) -> None:
+    """Initialise torch.distributed from the environment (env:// rendezvous at MASTER_ADDR:
+    MASTER_PORT), or over `store` when the launcher made the rendezvous itself."""
     import torch
     import torch.distributed as dist
 
@@ -63,7 +65,11 @@ def setup_torch() -> None:
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "180")))
-    dist.init_process_group(backend=backend, timeout=timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 def teardown_torch() -> None:

@@ -124,3 +124,17 @@ def test_cache_entry_is_complete_or_absent(toy_cfg, tmp_path):
     value = toy_cfg.seed + toy_cfg.lr_find.num_iters + toy_cfg.train.steps
     assert json.loads((entries[0] / "entry.json").read_text())["metrics"] == [["toy/value", float(value), 0]]
     assert (entries[0] / "artifacts" / "note.txt").exists()
+
+
+def test_summary_table_holds_the_first_line_of_a_long_error():
+    from pipelines.runner import Outcome, Summary, summary_table
+
+    tail = "\n".join(f"stderr line {i} " + "x" * 300 for i in range(20))
+    summary = Summary(stages={
+        "env": Outcome("ran", 1.0, error=None),
+        "train": Outcome("failed", 2.0, error=f"train: Slurm job 7 ended FAILED\n{tail}"),
+    })
+    lines = summary_table(summary).splitlines()
+    assert len(lines) == 4  # header, rule, one row per stage
+    assert lines[-1].endswith("train: Slurm job 7 ended FAILED")
+    assert max(len(line) for line in lines) < 100
