@@ -4,12 +4,15 @@
     python run.py strategy=ddp nodes=4         # the product card's form
     python run.py -m nodes=1,2                 # a sweep
     python run.py only=[plan] force=[lr_find]  # part of the DAG
+    python run.py -m strategy=ddp,zero3 nodes=1,2  # a study: report in <sweep dir>/study/
+    python run.py pipeline=compare study=<id>  # rebuild a study's report from MLflow
 
 Every invocation writes summary.json in its Hydra run dir and prints its path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -27,7 +30,10 @@ EXIT_CODES: list[int] = []
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def app(dcfg: DictConfig) -> None:
+    from hydra.types import RunMode
+
     from pipelines.runner import run_pipeline, summary_table
+    from pipelines.study import study_id_for
 
     try:
         cfg = load(OmegaConf.to_container(dcfg, resolve=True))
@@ -45,11 +51,19 @@ def app(dcfg: DictConfig) -> None:
             print(submit_pipeline(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)))
             EXIT_CODES.append(0)
             return
-        summary = run_pipeline(cfg, Path(HydraConfig.get().runtime.output_dir))
+        hydra_cfg = HydraConfig.get()
+        output_dir = Path(hydra_cfg.runtime.output_dir)
+        if cfg.study is None and hydra_cfg.mode == RunMode.MULTIRUN:
+            # A sweep is a study: its jobs share the id of their sweep dir.
+            cfg = dataclasses.replace(cfg, study=study_id_for(output_dir.parent))
+        summary = run_pipeline(cfg, output_dir)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         EXIT_CODES.append(2)
         return
+    compare = summary.stages.get("compare")
+    if compare is not None and compare.result is not None:
+        print(compare.result.text)
     print(summary_table(summary))
     print(f"summary: {summary.path}")
     EXIT_CODES.append(0 if summary.ok else 1)

@@ -89,7 +89,11 @@ def precheck(argv: list[str]) -> None:
             own = [o for o in point if not re.match(r"^[+~]*hydra[./]", o)]
             try:
                 composed = compose(config_name="config", overrides=own)
-                load(OmegaConf.to_container(composed, resolve=True))
+                cfg = load(OmegaConf.to_container(composed, resolve=True))
+                if cfg.pipeline.name == "compare":  # an unknown study: one line before Hydra writes
+                    from pipelines.study import find_study
+
+                    find_study(cfg.tracking.uri, cfg.study)
             except ConfigError as err:
                 raise UserError(str(err)) from None
             except Exception as err:  # noqa: BLE001 - composition errors are user errors

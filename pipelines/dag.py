@@ -143,5 +143,8 @@ def _topological_order(stages: dict[str, Stage]) -> list[str]:
 
 
 def stage_inputs(stage: Stage, cfg: Any) -> Any:
-    """The stage's own frozen config: the top-level fields its input dataclass names."""
+    """The stage's own frozen config: the top-level fields its input dataclass names, or what its
+    `from_config` derives (lr_find keys on its batch, not on the strategy that implies it)."""
+    if hasattr(stage.inputs, "from_config"):
+        return stage.inputs.from_config(cfg)
     return stage.inputs(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(stage.inputs)})

@@ -138,8 +138,10 @@ class Runner:
     def _run_or_load(self, stage, inputs, kwargs, upstream, world: WorldSpec, force: bool, variant: str | None) -> Outcome:
         name = f"{stage.name}-{variant}" if variant else stage.name
         extra = {"world": [world.nodes, world.procs_per_node]} if stage.spec.resources == "world" else {}
+        if not stage.spec.cache:  # an entry of its own per invocation, never another's
+            extra["invocation"] = str(self.run_dir)
         key = stage_key(name, stage.spec.fn, inputs, upstream, extra)
-        entry = None if force else self.cache.load(name, key, stage.result_type)
+        entry = None if force or not stage.spec.cache else self.cache.load(name, key, stage.result_type)
         if entry is not None:
             return Outcome("cached", entry.seconds, key, result=entry.result, entry=entry)
         staging = self.cache.staging(name)
@@ -184,8 +186,8 @@ class Runner:
         params = redact_mapping(flatten(to_jsonable(stage_inputs(stage, self.cfg))))
         metrics = entry.metrics if entry else []
         self.tracker.log_stage(stage.name, outcome.status, tags, params, metrics, entry.artifacts if entry else None)
-        if stage.name == "report" and entry is not None:
-            _copy_tree(entry.artifacts, self.run_dir / "report")
+        if stage.spec.publish and entry is not None:
+            _copy_tree(entry.artifacts, self.run_dir / stage.spec.publish)
 
     def _finish(self, summary: Summary) -> None:
         summary.mlflow_run_id = self.tracker.run_id
@@ -197,6 +199,7 @@ class Runner:
             if stage in stages:
                 stages[stage].setdefault("jobs", []).extend(ids)
         payload = {
+            "run": run_facts(self.cfg),
             "stages": stages,
             "mlflow_run_id": summary.mlflow_run_id,
             "ok": summary.ok,
@@ -225,20 +228,59 @@ def _describe(outcome: Outcome) -> str:
     return text
 
 
+def global_batch(cfg: Config) -> int:
+    """Samples per optimizer step of the scaled run: micro-batch x grad_accum x data-parallel size."""
+    from training.parallel.dims import ParallelDims
+
+    d = cfg.strategy.degrees()
+    dims = ParallelDims.resolve(d["dp_replicate"], d["dp_shard"], d["tp"], d["pp"], cfg.nodes * cfg.procs_per_node)
+    return cfg.train.micro_batch_for(dims.dp_size) * cfg.train.grad_accum * dims.dp_size
+
+
+def run_facts(cfg: Config) -> dict[str, Any]:
+    """What this invocation was, for summary.json's `run` block and a study's rows."""
+    return {
+        "study": cfg.study,
+        "pipeline": cfg.pipeline.name,
+        "strategy": cfg.strategy.name,
+        "nodes": cfg.nodes,
+        "procs_per_node": cfg.procs_per_node,
+        "world_size": cfg.nodes * cfg.procs_per_node,
+        "global_batch": global_batch(cfg),
+        "model": cfg.model.name,
+        "data": cfg.data.name,
+        "cluster": cfg.cluster.name,
+        "launcher": cfg.launcher.name,
+        "seed": cfg.seed,
+        "finished_at": round(time.time(), 3),
+    }
+
+
 def run_pipeline(cfg: Config, run_dir: Path, echo=print) -> Summary:
     """Build the DAG, open tracking, run every selected stage, write summary.json."""
     dag = build(cfg.pipeline)  # fails on a bad DAG before MLflow or any process starts
     launcher = make_launcher(cfg.launcher, run_dir, cfg.nodes * cfg.procs_per_node)
     try:
         tracker = make_tracker(cfg.tracking)
+        study_run = tracker.study_run(cfg.study) if cfg.study and cfg.pipeline.name != "compare" else None
     except BaseException:
         launcher.close()
         raise
     world = cfg.nodes * cfg.procs_per_node
+    facts = run_facts(cfg)
+    tags = {"kind": "compare" if cfg.pipeline.name == "compare" else "invocation"}
+    if cfg.study:
+        tags["study"] = cfg.study
+    if study_run:
+        tags["mlflow.parentRunId"] = study_run
     tracker.start(
         run_dir.name,
-        params=redact_mapping(flatten(to_jsonable(cfg))),
+        # strategy / world_size / global_batch as plain params: MLflow's compare view plots
+        # scaling efficiency against them.
+        params={**redact_mapping(flatten(to_jsonable(cfg))),
+                **{k: facts[k] for k in ("strategy", "world_size", "global_batch")}},
         tags={
+            **tags,
             "strategy": cfg.strategy.name,
             "nodes": str(cfg.nodes),
             "procs_per_node": str(cfg.procs_per_node),

@@ -6,6 +6,7 @@ option or an unknown key fails at composition with Hydra's list of valid options
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
@@ -28,6 +29,8 @@ RESOURCES = ("driver", "one_device", "world")
 LAUNCHERS = ("local", "ray", "slurm")
 BACKENDS = ("auto", "gloo", "nccl")
 TRACKERS = ("mlflow", "none")
+STUDY_ID = re.compile(r"[\w.:/-]{1,200}")
+"""A study id goes into MLflow tag filters and file names: no quotes, no spaces."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,11 @@ class StageSpec:
     baseline: bool = False
     """Also run this world stage on one device first (cached on its own) and pass that result
     as its `baseline` argument; `train` uses it for scaling efficiency."""
+    cache: bool = True
+    """False for a stage whose inputs lie outside the config (compare reads MLflow): it runs
+    every time and its result is not stored."""
+    publish: str | None = None
+    """A folder of the run dir to copy the stage's artifacts to (report -> report/)."""
 
     def __post_init__(self) -> None:
         if ":" not in self.fn:
@@ -178,6 +186,11 @@ class Config:
     """Re-run these stages even when cached."""
     cache_dir: str = "outputs/cache"
     """Where stage results are stored under their content keys."""
+    study: str | None = None
+    """Study id. Invocations with the same id are one study: MLflow runs tagged `study=<id>` under
+    one study parent run, and one study report. A `-m` sweep is a study of its own (id: its sweep
+    dir) unless set. With pipeline=compare: the study id, or an MLflow experiment name, to rebuild
+    the study report from."""
     dry_run: bool = False
     """Build the real mesh and sharded model for the requested world on a fake process group,
     print each rank's memory for parameters, gradients and optimizer state, and exit: no stage
@@ -188,6 +201,8 @@ class Config:
             raise ConfigError("nodes", self.nodes, "must be an integer >= 1")
         if self.procs_per_node is not None and self.procs_per_node < 1:
             raise ConfigError("procs_per_node", self.procs_per_node, "must be an integer >= 1, or null")
+        if self.study is not None and not STUDY_ID.fullmatch(self.study):
+            raise ConfigError("study", self.study, "must be 1-200 characters of letters, digits and . _ - : /")
 
 
 def register() -> None:

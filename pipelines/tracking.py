@@ -26,6 +26,8 @@ PARAM_MAX = 500
 class Tracker(Protocol):
     run_id: str | None
 
+    def study_run(self, study: str) -> str | None: ...
+
     def start(self, name: str, params: dict[str, Any], tags: dict[str, str]) -> None: ...
 
     def log_stage(
@@ -45,6 +47,9 @@ class NullTracker:
     """tracking=none."""
 
     run_id: str | None = None
+
+    def study_run(self, study: str) -> str | None:
+        return None
 
     def start(self, name: str, params: dict[str, Any], tags: dict[str, str]) -> None:
         pass
@@ -95,6 +100,23 @@ class MlflowTracker:
         self.client.set_experiment_tag(experiment_id, "mlflow.experimentKind", "custom_model_development")
         return experiment_id
 
+    def study_run(self, study: str) -> str:
+        """The study's parent run in this experiment, created by the first invocation that asks.
+
+        Invocations of a sweep may ask at once: each that created one looks again, and all keep
+        the oldest (ties by run id); a loser deletes its own, so exactly one remains.
+        """
+        found = study_runs(self.client, [self.experiment_id], study)
+        if found:
+            return found[0].info.run_id
+        mine = self.client.create_run(self.experiment_id, run_name=f"study {study}",
+                                      tags={"kind": "study", "study": study}).info.run_id
+        self.client.set_terminated(mine, "FINISHED")
+        winner = study_runs(self.client, [self.experiment_id], study)[0].info.run_id
+        if winner != mine:
+            self.client.delete_run(mine)
+        return winner
+
     def start(self, name: str, params: dict[str, Any], tags: dict[str, str]) -> None:
         run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
         self.run_id = run.info.run_id
@@ -105,7 +127,7 @@ class MlflowTracker:
         run = self.client.create_run(
             self.experiment_id,
             run_name=stage,
-            tags={"mlflow.parentRunId": self.run_id, "stage": stage, "status": status, **tags},
+            tags={"mlflow.parentRunId": self.run_id, "kind": "stage", "stage": stage, "status": status, **tags},
         )
         child = run.info.run_id
         self._log(child, params=params, metrics=metrics)
@@ -133,6 +155,13 @@ class MlflowTracker:
             self.client.log_batch(run_id, params=param_list[i : i + 100])
         for i in range(0, len(metric_list), BATCH):
             self.client.log_batch(run_id, metrics=metric_list[i : i + BATCH])
+
+
+def study_runs(client: Any, experiment_ids: list[str], study: str) -> list[Any]:
+    """A study's parent runs, oldest first (one, unless a race is being settled)."""
+    runs = client.search_runs(experiment_ids, f"tags.kind = 'study' AND tags.study = '{study}'",
+                              max_results=100)
+    return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
 
 
 def _check_server(uri: str, timeout_s: float = 5.0) -> None:

@@ -42,7 +42,18 @@ def resolve(cfg: Config, gpus_per_node: int | None = None) -> Config:
     _check_stage_names(cfg)
     _check_outputs(cfg)
     _check_no_secrets_in_scripts(cfg)
+    _check_compare(cfg)
     return cfg
+
+
+def _check_compare(cfg: Config) -> None:
+    """pipeline=compare reads a study back from MLflow: it needs both."""
+    if cfg.pipeline.name != "compare":
+        return
+    if cfg.study is None:
+        raise ConfigError("study", None, "pipeline=compare needs study=<study id or MLflow experiment name>")
+    if cfg.tracking.name != "mlflow":
+        raise ConfigError("tracking", cfg.tracking.name, "pipeline=compare reads MLflow: use tracking=mlflow")
 
 
 def _check_world(cfg: Config, gpus: int) -> None:

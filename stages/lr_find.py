@@ -1,18 +1,21 @@
-"""lr_find: an LR range test on ONE device, then the LR for the scaled run by an explicit rule.
+"""lr_find: an LR range test on ONE device; its suggestion is carried to each scaled run by a rule.
 
 The finder's batch is small and fixed; the scaled run's effective global batch is
 micro_batch x grad_accum x data-parallel size. `lr_scaling` (linear, sqrt or none) carries the
-suggested LR from one to the other, and the scaled run warms up over train.warmup_steps.
+suggested LR from one to the other (`LrFindResult.scaled`, applied by plan and train, which know
+the world), and the scaled run warms up over train.warmup_steps. The finder itself depends on
+neither strategy nor world size, so one cached result serves every point of a study.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from stages.common import log, workbench
-from training.config import DataConfig, LrFindConfig, ModelConfig, StrategyConfig, TrainConfig
+from training.config import DataConfig, LrFindConfig, ModelConfig
 from training.data import GlobalBatches
 from training.lr_finder import range_test, scale_lr, suggest
 from training.models import loss_fn
@@ -24,11 +27,16 @@ class LrFindInputs:
     lr_find: LrFindConfig
     model: ModelConfig
     data: DataConfig
-    train: TrainConfig
-    strategy: StrategyConfig
-    nodes: int
-    procs_per_node: int
     seed: int
+    batch: int
+    """The finder's batch: lr_find.batch, or the scaled run's per-rank micro-batch."""
+    weight_decay: float
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> LrFindInputs:
+        dp = resolve_dims(cfg.strategy, cfg.nodes * cfg.procs_per_node).dp_size
+        batch = cfg.lr_find.batch or cfg.train.micro_batch_for(dp)
+        return cls(cfg.lr_find, cfg.model, cfg.data, cfg.seed, batch, cfg.train.weight_decay)
 
 
 @dataclass(frozen=True)
@@ -42,42 +50,34 @@ class CurvePoint:
 class LrFindResult:
     suggested_lr: float
     """The finder's suggestion at its own batch."""
-    scaled_lr: float
-    """The LR for the scaled run's effective global batch."""
     rule: str
     """The suggestion rule (`steepest` or `min_div_10`)."""
     lr_scaling: str
+    """How the suggestion is carried to a larger batch: linear, sqrt or none."""
     finder_batch: int
-    target_batch: int
-    warmup_steps: int
     stopped_early: bool
     curve: list[CurvePoint]
 
+    def scaled(self, target_batch: int) -> float:
+        """The LR for a run whose optimizer step averages over `target_batch` samples."""
+        return scale_lr(self.suggested_lr, self.lr_scaling, self.finder_batch, target_batch)
+
     def metrics(self) -> list[tuple[str, float, int]]:
-        out = [
-            ("lr_find/suggested_lr", self.suggested_lr, 0),
-            ("lr_find/scaled_lr", self.scaled_lr, 0),
-            ("lr_find/target_batch", float(self.target_batch), 0),
-        ]
+        out = [("lr_find/suggested_lr", self.suggested_lr, 0), ("lr_find/finder_batch", float(self.finder_batch), 0)]
         for i, p in enumerate(self.curve):
             out += [("lr_find/lr", p.lr, i), ("lr_find/loss", p.loss, i), ("lr_find/smoothed_loss", p.smoothed, i)]
         return out
 
     def headline(self) -> str:
-        return (
-            f"suggested {self.suggested_lr:.2e} ({self.rule}) at batch {self.finder_batch} -> "
-            f"{self.scaled_lr:.2e} at batch {self.target_batch} ({self.lr_scaling})"
-        )
+        return (f"suggested {self.suggested_lr:.2e} ({self.rule}) at batch {self.finder_batch}, "
+                f"{len(self.curve)} iterations; scaled by the {self.lr_scaling} rule")
 
 
 def run(cfg: LrFindInputs) -> LrFindResult:
     finder = cfg.lr_find
     bench = workbench(cfg.model, cfg.data, cfg.seed)
-    # The scaled run's effective batch: what one optimizer step of it averages over.
-    dp = resolve_dims(cfg.strategy, cfg.nodes * cfg.procs_per_node).dp_size
-    target = cfg.train.micro_batch_for(dp) * cfg.train.grad_accum * dp
-    batch = finder.batch or cfg.train.micro_batch_for(dp)
-    optimizer = torch.optim.AdamW(bench.model.parameters(), lr=finder.min_lr, weight_decay=cfg.train.weight_decay)
+    batch = cfg.batch
+    optimizer = torch.optim.AdamW(bench.model.parameters(), lr=finder.min_lr, weight_decay=cfg.weight_decay)
     rows = GlobalBatches(cfg.data.num_samples, batch, 1, 0, 1, cfg.seed)
     inputs, targets = bench.pool
 
@@ -91,16 +91,12 @@ def run(cfg: LrFindInputs) -> LrFindResult:
         finder.min_lr, finder.max_lr, finder.num_iters, finder.beta, finder.diverge_threshold,
     )
     suggested = suggest(test.lrs, test.smoothed, finder.suggestion)
-    scaled = scale_lr(suggested, finder.lr_scaling, batch, target)
-    log("lr_find", f"{len(test.lrs)} iterations, suggested {suggested:.3e}, scaled {scaled:.3e}")
+    log("lr_find", f"{len(test.lrs)} iterations, suggested {suggested:.3e} at batch {batch}")
     return LrFindResult(
         suggested_lr=suggested,
-        scaled_lr=scaled,
         rule=finder.suggestion,
         lr_scaling=finder.lr_scaling,
         finder_batch=batch,
-        target_batch=target,
-        warmup_steps=cfg.train.warmup_steps,
         stopped_early=test.stopped_early,
         curve=[CurvePoint(lr, loss, s) for lr, loss, s in zip(test.lrs, test.losses, test.smoothed, strict=True)],
     )

@@ -327,11 +327,11 @@ def ruler_reasons(r: Rulers, cfg: PlanInputs, world: int) -> list[str]:
     return reasons
 
 
-def lr_reason(lr: LrFindResult) -> str:
-    text = (f"lr: {lr.scaled_lr:.2e} ({lr.lr_scaling} rule from {lr.suggested_lr:.2e} at batch {lr.finder_batch} "
-            f"to {lr.target_batch}), {lr.warmup_steps} warm-up steps")
-    if lr.lr_scaling == "linear" and lr.target_batch > LINEAR_RULE_LIMIT * lr.finder_batch:
-        text += (f"; warning: the batch grows {lr.target_batch // lr.finder_batch}x, past the ~{LINEAR_RULE_LIMIT}x "
+def lr_reason(lr: LrFindResult, target_batch: int, warmup_steps: int) -> str:
+    text = (f"lr: {lr.scaled(target_batch):.2e} ({lr.lr_scaling} rule from {lr.suggested_lr:.2e} at batch "
+            f"{lr.finder_batch} to {target_batch}), {warmup_steps} warm-up steps")
+    if lr.lr_scaling == "linear" and target_batch > LINEAR_RULE_LIMIT * lr.finder_batch:
+        text += (f"; warning: the batch grows {target_batch // lr.finder_batch}x, past the ~{LINEAR_RULE_LIMIT}x "
                  "where the linear rule was seen to hold: consider lr_scaling=sqrt or a longer warm-up")
     return text
 
@@ -344,9 +344,10 @@ def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult) -
     hw = hardware(cfg, rulers, bandwidth, micro)
     preds = predictions(cfg, w, hw, world)
     choice, reasons = recommend(preds, world, cfg, hw)
-    reasons += ruler_reasons(rulers, cfg, world) + [lr_reason(lr_find)]
+    target = micro * cfg.train.grad_accum * data_parallel_size(cfg)
+    reasons += ruler_reasons(rulers, cfg, world) + [lr_reason(lr_find, target, cfg.train.warmup_steps)]
     result = PlanResult(choice, reasons, rulers.peak_memory_bytes, rulers.flops_per_sample, rulers, world, micro,
-                        preds, lr_find.scaled_lr, lr_find.lr_scaling)
+                        preds, lr_find.scaled(target), lr_find.lr_scaling)
     for line in [*reasons, result.table()]:
         log("plan", line)
     return result

@@ -31,14 +31,15 @@ class ReportResult:
         return f"{len(self.files)} files: {', '.join(self.files)}"
 
 
-def _plot_lr(lr: LrFindResult, path: Path) -> None:
+def _plot_lr(lr: LrFindResult, train: TrainResult, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([p.lr for p in lr.curve], [p.loss for p in lr.curve], alpha=0.3, label="loss")
     ax.plot([p.lr for p in lr.curve], [p.smoothed for p in lr.curve], label="smoothed")
     ax.axvline(lr.suggested_lr, color="C2", ls="--", label=f"suggested {lr.suggested_lr:.1e} ({lr.rule})")
-    ax.axvline(lr.scaled_lr, color="C3", ls=":", label=f"scaled {lr.scaled_lr:.1e} ({lr.lr_scaling})")
+    ax.axvline(train.lr, color="C3", ls=":", label=f"trained with {train.lr:.1e} at batch {train.global_batch} "
+               f"({train.lr_source})")
     # The divergent tail would squash the informative part of the curve: cap the axis above the start.
     top = 1.3 * max(lr.curve[0].smoothed, min(p.loss for p in lr.curve))
     ax.set(xscale="log", xlabel="learning rate", ylabel="loss", title="LR range test", ylim=(None, top))
@@ -129,7 +130,7 @@ def run(cfg: ReportInputs, *, env: EnvResult, bandwidth: BandwidthResult, lr_fin
 
     matplotlib.use("Agg")
     plots = ["lr_find.png", "loss.png"]
-    _plot_lr(lr_find, artifacts / "lr_find.png")
+    _plot_lr(lr_find, train, artifacts / "lr_find.png")
     _plot_loss(train, artifacts / "loss.png")
     if bandwidth.results:
         _plot_busbw(bandwidth, artifacts / "busbw.png")

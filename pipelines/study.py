@@ -1,0 +1,135 @@
+"""Studies: the invocations of one sweep (or of one `study=<id>`) seen together.
+
+- `study_id_for(sweep_dir)`: the id a `-m` sweep gives its invocations when `study` is unset.
+- `summaries_from_sweep` / `summaries_from_mlflow`: every invocation's summary.json, from the
+  sweep dir or from the MLflow store it was logged to (pipeline=compare).
+- `StudyReportCallback`: Hydra's multirun callback that writes the study report into the sweep
+  dir when the sweep ends and logs it to the study's MLflow parent run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+
+from pipelines.schema import TrackingConfig
+from training.config import ConfigError
+
+REPORT_DIR = "study"
+
+
+def study_id_for(sweep_dir: str | Path) -> str:
+    """`outputs/multirun/2026-11-29/11-40-12-123456` -> `2026-11-29_11-40-12-123456`."""
+    path = Path(sweep_dir)
+    return re.sub(r"[^\w.:/-]", "-", f"{path.parent.name}_{path.name}" if path.parent.name else path.name)
+
+
+def summaries_from_sweep(sweep_dir: Path) -> list[dict[str, Any]]:
+    """The summary.json of every job of a sweep (jobs that failed before running have none)."""
+    # rglob: an override holding a path (cache_dir=/x/y) nests the job's subdir.
+    return [json.loads(p.read_text()) for p in sorted(sweep_dir.rglob("summary.json"))]
+
+
+def _client(uri: str) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def find_study(uri: str, study: str) -> tuple[list[Any], str]:
+    """The invocation runs of `study`: runs tagged with it in any experiment, or else every
+    invocation run of the experiment named `study`. Raises ConfigError when neither exists."""
+    from mlflow.entities import ViewType
+
+    client = _client(uri)
+    try:
+        experiments = client.search_experiments(view_type=ViewType.ACTIVE_ONLY)
+    except Exception as err:  # noqa: BLE001 - any backend failure is the user's URI
+        raise ConfigError("tracking.uri", uri, f"is not a reachable MLflow store ({str(err).splitlines()[0][:200]})") from None
+    ids = [e.experiment_id for e in experiments]
+    runs = _search(client, ids, f"tags.kind = 'invocation' AND tags.study = '{study}'") if ids else []
+    if runs:
+        return runs, f"MLflow runs tagged study={study}"
+    named = next((e for e in experiments if e.name == study), None)
+    if named is not None:
+        runs = _search(client, [named.experiment_id], "tags.kind = 'invocation'")
+        if runs:
+            return runs, f"MLflow experiment {study}"
+    raise ConfigError("study", study, "matches no runs tagged with that study id and no MLflow experiment "
+                      "with invocation runs (study ids are printed at the end of a sweep)")
+
+
+def _search(client: Any, experiment_ids: list[str], query: str) -> list[Any]:
+    runs, token = [], None
+    while True:
+        page = client.search_runs(experiment_ids, query, max_results=1000, page_token=token)
+        runs += list(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def summaries_from_mlflow(uri: str, study: str) -> tuple[list[dict[str, Any]], str]:
+    """Each invocation's summary.json as logged to its MLflow run, and where they came from."""
+    runs, source = find_study(uri, study)
+    client = _client(uri)
+    summaries = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, run in enumerate(runs):
+            dst = Path(tmp) / str(i)
+            dst.mkdir()
+            try:
+                path = client.download_artifacts(run.info.run_id, "summary.json", str(dst))
+            except Exception:  # noqa: BLE001 - a run killed before it finished has no summary
+                continue
+            summaries.append(json.loads(Path(path).read_text()))
+    return summaries, f"{source} at {_redacted(uri)}"
+
+
+def _redacted(uri: str) -> str:
+    from pipelines.redact import redact_text
+
+    return redact_text(uri)
+
+
+def log_to_study_run(tracking: TrackingConfig, study: str, folder: Path) -> str:
+    """Log the report folder as artifacts of the study's parent run; its run id."""
+    from pipelines.tracking import MlflowTracker
+
+    tracker = MlflowTracker(tracking)
+    run_id = tracker.study_run(study)
+    tracker.client.log_artifacts(run_id, str(folder), artifact_path=REPORT_DIR)
+    return run_id
+
+
+class StudyReportCallback(Callback):
+    """At the end of a `-m` sweep: the study report in `<sweep dir>/study/`, and in MLflow."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        from stages.study_report import StudyRun, write_study_report
+
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        try:
+            summaries = summaries_from_sweep(sweep_dir)
+            runs = [r for r in map(StudyRun.from_summary, summaries) if r is not None]
+            if not runs:
+                print(f"study: no invocation of {sweep_dir} finished; no study report", file=sys.stderr)
+                return
+            study = next(s["run"]["study"] for s in summaries if s.get("run", {}).get("study"))
+            report = write_study_report(runs, sweep_dir / REPORT_DIR, study, f"sweep dir {sweep_dir}")
+            print(report.text())
+            print(f"study report: {sweep_dir / REPORT_DIR / 'report.html'}")
+            if config.tracking.name == "mlflow":
+                tracking = TrackingConfig(name="mlflow", uri=config.tracking.uri, experiment=config.tracking.experiment)
+                run_id = log_to_study_run(tracking, study, sweep_dir / REPORT_DIR)
+                print(f"study {study}: MLflow run {run_id}; rebuild with: python run.py pipeline=compare study={study}")
+        except ConfigError as err:
+            print(f"error: study report: {err}", file=sys.stderr)
+        except Exception as err:  # noqa: BLE001 - the jobs' results stand; say why the report didn't
+            print(f"error: study report for {sweep_dir} failed: {type(err).__name__}: {err}", file=sys.stderr)

@@ -1,0 +1,380 @@
+"""The study report: one sweep's invocations side by side, as a table, plots, Markdown and HTML.
+
+A study run is one invocation's summary.json (its `run` block and its stages' results), read
+either from a sweep dir (the multirun callback) or from MLflow, where every invocation logs its
+summary.json (pipeline=compare). Both paths hand the same dicts to `write_study_report`, so the
+two reports agree by construction.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GIB = 1024**3
+COLUMNS = ("strategy", "nodes", "devices", "samples/s", "samples/s/device", "efficiency", "MFU %",
+           "peak GiB/device", "final loss", "step-time error %", "status")
+
+
+@dataclass(frozen=True)
+class StudyRun:
+    """One invocation of a study, from its summary.json."""
+
+    strategy: str
+    """The strategy that trained (strategy=auto: the plan's choice)."""
+    nodes: int
+    procs_per_node: int
+    world_size: int
+    global_batch: int
+    status: str
+    """`ok`, or `failed at <stage>`."""
+    finished_at: float
+    mlflow_run_id: str | None
+    stages: dict[str, Any] = field(repr=False)
+    """Each stage's result (None where it produced none)."""
+
+    @classmethod
+    def from_summary(cls, data: dict[str, Any]) -> StudyRun | None:
+        """None for a summary that is not a study point (no `run` block, or no train stage)."""
+        run = data.get("run")
+        if not run or "train" not in data.get("stages", {}):  # compare, what-if plans: no study point
+            return None
+        stages = {name: s.get("result") for name, s in data.get("stages", {}).items()}
+        failed = next((n for n, s in data.get("stages", {}).items() if s.get("status") == "failed"), None)
+        train = stages.get("train") or {}
+        return cls(
+            strategy=train.get("strategy") or run["strategy"],
+            nodes=int(run["nodes"]),
+            procs_per_node=int(run["procs_per_node"]),
+            world_size=int(run["world_size"]),
+            global_batch=int(run["global_batch"]),
+            status="ok" if data.get("ok") else f"failed at {failed}" if failed else "incomplete",
+            finished_at=float(run.get("finished_at") or 0.0),
+            mlflow_run_id=data.get("mlflow_run_id"),
+            stages=stages,
+        )
+
+    @property
+    def train(self) -> dict[str, Any] | None:
+        return self.stages.get("train")
+
+
+def latest_per_point(runs: list[StudyRun]) -> list[StudyRun]:
+    """One run per (strategy, nodes, procs_per_node): the last to finish (a re-run replaces a
+    failed point), ordered by strategy and devices."""
+    best: dict[tuple[str, int, int], StudyRun] = {}
+    for run in runs:
+        key = (run.strategy, run.nodes, run.procs_per_node)
+        if key not in best or run.finished_at > best[key].finished_at:
+            best[key] = run
+    return sorted(best.values(), key=lambda r: (r.strategy, r.world_size, r.nodes))
+
+
+def table_rows(runs: list[StudyRun]) -> list[dict[str, Any]]:
+    """The study table: strategy x nodes -> the numbers users compare."""
+    rows = []
+    for run in runs:
+        t = run.train or {}
+        prediction = t.get("prediction") or {}
+        rows.append({
+            "strategy": run.strategy,
+            "nodes": run.nodes,
+            "devices": run.world_size,
+            "samples/s": t.get("samples_per_s"),
+            "samples/s/device": t.get("samples_per_s_per_device"),
+            "efficiency": t.get("scaling_efficiency"),
+            "MFU %": t.get("mfu_pct"),
+            "peak GiB/device": t["peak_memory_bytes"] / GIB if "peak_memory_bytes" in t else None,
+            "final loss": t.get("final_loss"),
+            "step-time error %": prediction.get("step_time_error_pct"),
+            "status": run.status,
+        })
+    return rows
+
+
+def _cell(value: Any) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def table_text(rows: list[dict[str, Any]]) -> str:
+    """The table as aligned plain text, for the terminal."""
+    cells = [list(COLUMNS)] + [[_cell(r[c]) for c in COLUMNS] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    lines.insert(1, "-" * max(len(line) for line in lines))
+    return "\n".join(lines)
+
+
+def table_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cell(r[c]) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# --- plots: each returns its file name, or None when the study holds nothing to draw ----------
+
+def _save(fig: Any, path: Path) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path.name
+
+
+def _by_strategy(runs: list[StudyRun]) -> dict[str, list[StudyRun]]:
+    groups: dict[str, list[StudyRun]] = {}
+    for run in runs:
+        if run.train:
+            groups.setdefault(run.strategy, []).append(run)
+    return {s: sorted(g, key=lambda r: r.world_size) for s, g in sorted(groups.items())}
+
+
+def plot_efficiency(runs: list[StudyRun], out: Path) -> str | None:
+    import matplotlib.pyplot as plt
+
+    groups = _by_strategy(runs)
+    if not groups:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (strategy, group) in enumerate(groups.items()):
+        color = f"C{i}"
+        ax.plot([r.world_size for r in group], [r.train["scaling_efficiency"] for r in group],
+                marker="o", color=color, label=f"{strategy} measured")
+        predicted = [(r.world_size, r.train["prediction"]["scaling_efficiency"]) for r in group if r.train.get("prediction")]
+        if predicted:
+            ax.plot(*zip(*predicted, strict=True), ls="--", marker="x", color=color, label=f"{strategy} predicted (plan)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(xscale="log", xlabel="devices", ylabel="scaling efficiency", title="Scaling efficiency vs devices")
+    _device_ticks(ax, runs)
+    ax.legend(fontsize=8)
+    return _save(fig, out / "efficiency.png")
+
+
+def _device_ticks(ax: Any, runs: list[StudyRun]) -> None:
+    ticks = sorted({r.world_size for r in runs})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+
+
+def plot_throughput(runs: list[StudyRun], out: Path) -> str | None:
+    import matplotlib.pyplot as plt
+
+    groups = _by_strategy(runs)
+    if not groups:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for strategy, group in groups.items():
+        ax.plot([r.world_size for r in group], [r.train["samples_per_s_per_device"] for r in group],
+                marker="o", label=strategy)
+    ax.set(xscale="log", xlabel="devices", ylabel="samples/s per device", title="Throughput per device vs devices")
+    _device_ticks(ax, runs)
+    ax.legend(fontsize=8)
+    return _save(fig, out / "throughput_per_device.png")
+
+
+def plot_loss(runs: list[StudyRun], out: Path) -> str | None:
+    import matplotlib.pyplot as plt
+
+    trained = [r for r in runs if r.train and r.train.get("losses")]
+    if not trained:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for run in trained:
+        batch = run.train["global_batch"]
+        losses = run.train["losses"]
+        # Samples seen, not steps: runs of different world sizes (and batches) line up.
+        ax.plot([batch * (i + 1) for i in range(len(losses))], losses, label=f"{run.strategy} x{run.world_size}")
+    ax.set(xlabel="samples seen", ylabel="training loss", title="Loss vs samples seen")
+    ax.legend(fontsize=8)
+    return _save(fig, out / "loss_vs_samples.png")
+
+
+def plot_mfu(runs: list[StudyRun], out: Path) -> str | None:
+    """MFU where the device's peak FLOP/s is known; otherwise the achieved model FLOP/s per
+    device, which is what MFU divides (CPUs have no listed peak)."""
+    import matplotlib.pyplot as plt
+
+    groups = _by_strategy(runs)
+    if not groups:
+        return None
+    known = all(r.train.get("mfu_pct") is not None for g in groups.values() for r in g)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for strategy, group in groups.items():
+        if known:
+            values = [r.train["mfu_pct"] for r in group]
+        else:
+            values = [r.train["flops_per_sample"] * r.train["samples_per_s_per_device"] / 1e9 for r in group]
+        ax.plot([r.world_size for r in group], values, marker="o", label=strategy)
+    if known:
+        ax.set(ylabel="MFU (%)", title="Model FLOPs utilisation vs devices")
+    else:
+        ax.set(ylabel="model GFLOP/s per device",
+               title="Achieved model FLOP/s per device\n(MFU needs a peak FLOP/s; none is listed for this device)")
+    ax.set(xscale="log", xlabel="devices")
+    _device_ticks(ax, runs)
+    ax.legend(fontsize=8)
+    return _save(fig, out / "mfu.png")
+
+
+def plot_memory(runs: list[StudyRun], out: Path) -> str | None:
+    import matplotlib.pyplot as plt
+
+    groups = _by_strategy(runs)
+    if not groups:
+        return None
+    worlds = sorted({r.world_size for g in groups.values() for r in g})
+    width = 0.8 / len(worlds)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for j, world in enumerate(worlds):
+        xs, heights, predicted = [], [], []
+        for i, group in enumerate(groups.values()):
+            run = next((r for r in group if r.world_size == world), None)
+            if run is None:
+                continue
+            x = i - 0.4 + width * (j + 0.5)
+            xs.append(x)
+            heights.append(run.train["peak_memory_bytes"] / GIB)
+            if run.train.get("prediction"):
+                predicted.append((x, run.train["prediction"]["memory_bytes"] / GIB))
+        ax.bar(xs, heights, width=width * 0.9, label=f"{world} devices", color=f"C{j}")
+        if predicted:
+            ax.plot(*zip(*predicted, strict=True), ls="none", marker="_", ms=14, mew=2, color="black")
+    ax.plot([], [], ls="none", marker="_", ms=14, mew=2, color="black", label="predicted (plan)")
+    ax.set_xticks(range(len(groups)), list(groups))
+    ax.set(ylabel="peak memory per device (GiB)", title="Peak memory per device")
+    ax.legend(fontsize=8)
+    return _save(fig, out / "memory.png")
+
+
+def plot_busbw(runs: list[StudyRun], out: Path, collective: str = "all_reduce") -> str | None:
+    import matplotlib.pyplot as plt
+
+    curves: dict[int, list[tuple[int, float]]] = {}
+    for run in sorted(runs, key=lambda r: r.world_size):
+        bw = run.stages.get("bandwidth") or {}
+        points = [(m["bytes"], m["busbw_gbps"]) for m in bw.get("results", []) if m["collective"] == collective]
+        if points and bw.get("world_size") not in curves:
+            curves[bw["world_size"]] = points  # one probe per world size: the same link
+    if not curves:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for world, points in curves.items():
+        ax.plot(*zip(*points, strict=True), marker="o", ms=3, label=f"world {world}")
+    ax.set(xscale="log", yscale="log", xlabel="message size (bytes)", ylabel=f"{collective} busbw (GB/s)",
+           title=f"{collective} bus bandwidth vs message size")
+    ax.legend(fontsize=8)
+    return _save(fig, out / "busbw.png")
+
+
+def plot_lr(runs: list[StudyRun], out: Path) -> str | None:
+    import matplotlib.pyplot as plt
+
+    found = [r.stages["lr_find"] for r in runs if r.stages.get("lr_find")]
+    if not found:
+        return None
+    lr = found[0]
+    curve = lr["curve"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([p["lr"] for p in curve], [p["smoothed"] for p in curve], label="smoothed loss")
+    ax.axvline(lr["suggested_lr"], color="C2", ls="--",
+               label=f"suggested {lr['suggested_lr']:.1e} at batch {lr['finder_batch']} ({lr['rule']})")
+    # The LR each run trained with: the suggestion carried to its global batch by the rule.
+    scaled = sorted({(r.train["global_batch"], r.train["lr"]) for r in runs if r.train})
+    for i, (batch, value) in enumerate(scaled):
+        ax.axvline(value, color=f"C{3 + i}", ls=":", label=f"scaled {value:.1e} at batch {batch} ({lr['lr_scaling']})")
+    top = 1.3 * max(curve[0]["smoothed"], min(p["loss"] for p in curve))
+    ax.set(xscale="log", xlabel="learning rate", ylabel="loss", title="LR range test and scaled LRs", ylim=(None, top))
+    ax.legend(fontsize=7)
+    return _save(fig, out / "lr_find.png")
+
+
+PLOTS = (
+    ("Scaling efficiency (measured solid, plan's prediction dashed)", plot_efficiency),
+    ("Throughput per device", plot_throughput),
+    ("Loss vs samples seen", plot_loss),
+    ("MFU", plot_mfu),
+    ("Peak memory per device", plot_memory),
+    ("Bus bandwidth per world size", plot_busbw),
+    ("LR range test", plot_lr),
+)
+
+
+@dataclass(frozen=True)
+class StudyReport:
+    study: str
+    source: str
+    rows: list[dict[str, Any]]
+    files: list[str]
+    """report.md, report.html and the PNGs, relative to the report folder."""
+
+    def text(self) -> str:
+        return f"study {self.study} ({self.source}): {len(self.rows)} runs\n{table_text(self.rows)}"
+
+
+def write_study_report(runs: list[StudyRun], out: Path, study: str, source: str) -> StudyReport:
+    """Write report.md, report.html (self-contained: plots inlined) and one PNG per plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    out.mkdir(parents=True, exist_ok=True)
+    runs = latest_per_point(runs)
+    rows = table_rows(runs)
+    plots = [(title, fn(runs, out)) for title, fn in PLOTS]
+    plots = [(title, name) for title, name in plots if name]
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    md = [f"# Study {study}", "", f"{len(runs)} runs, from {source}; written {stamp}.", "",
+          table_markdown(rows), "", *_notes(runs), ""]
+    for title, name in plots:
+        md += [f"## {title}", "", f"![{title}]({name})", ""]
+    (out / "report.md").write_text("\n".join(md))
+    (out / "report.html").write_text(_html(study, source, stamp, rows, plots, out, runs))
+    return StudyReport(study, source, rows, ["report.md", "report.html", *(name for _, name in plots)])
+
+
+def _notes(runs: list[StudyRun]) -> list[str]:
+    notes = ["Efficiency is each run's samples/s over devices x its own 1-device baseline's; "
+             "step-time error is (measured - predicted) / measured against the plan of that run."]
+    failed = [r for r in runs if r.status != "ok"]
+    if failed:
+        notes.append("Not complete: " + ", ".join(f"{r.strategy} x{r.world_size} ({r.status})" for r in failed) + ".")
+    return notes
+
+
+def _html(study: str, source: str, stamp: str, rows: list[dict[str, Any]], plots: list[tuple[str, str]],
+          out: Path, runs: list[StudyRun]) -> str:
+    """One page with no outside references: styles inline, plots as data: URIs, no scripts."""
+    esc = html.escape
+    head = "".join(f"<th>{esc(c)}</th>" for c in COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{esc(_cell(r[c]))}</td>" for c in COLUMNS) + "</tr>" for r in rows)
+    figures = "".join(
+        f'<figure><img alt="{esc(title)}" src="data:image/png;base64,'
+        f'{base64.b64encode((out / name).read_bytes()).decode()}"><figcaption>{esc(title)}</figcaption></figure>'
+        for title, name in plots
+    )
+    notes = "".join(f"<p>{esc(n)}</p>" for n in _notes(runs))
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>Study {esc(study)}</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; }}
+table {{ border-collapse: collapse; }}
+th, td {{ border: 1px solid #bbb; padding: 4px 8px; text-align: right; }}
+th {{ background: #eee; }}
+figure {{ display: inline-block; margin: 1em; }}
+</style></head>
+<body><h1>Study {esc(study)}</h1>
+<p>{len(rows)} runs, from {esc(source)}; written {esc(stamp)}.</p>
+<table id="study-table"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>
+{notes}
+{figures}
+</body></html>
+"""
