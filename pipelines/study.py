@@ -47,6 +47,11 @@ def find_study(uri: str, study: str) -> tuple[list[Any], str]:
     invocation run of the experiment named `study`. Raises ConfigError when neither exists."""
     from mlflow.entities import ViewType
 
+    from pipelines.tracking import sqlite_path
+
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():  # opening it would create an empty store
+        raise ConfigError("tracking.uri", uri, f"has no MLflow database at {db}: no study to compare")
     client = _client(uri)
     try:
         experiments = client.search_experiments(view_type=ViewType.ACTIVE_ONLY)

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LATE = [
     (["tracking.uri=http://127.0.0.1:1"], "tracking.uri='http://127.0.0.1:1': no MLflow server answers"),
     (["launcher=ray", "launcher.address=127.0.0.1:1"], "launcher.address"),
+    (["pipeline=compare", "study=s1"], "tracking.uri='sqlite:///outputs/mlflow.db': has no MLflow database"),
 ]
 CASES = [*BAD, *LATE]
 

@@ -27,6 +27,9 @@ def test_procs_per_node_defaults_to_the_gpus(compose_cfg):
 
 
 BAD = [
+    (["pipeline=compare"], "study=None: pipeline=compare needs study=<study id or MLflow experiment name>"),
+    (["pipeline=compare", "study=s1", "tracking=none"], "tracking='none': pipeline=compare reads MLflow"),
+    (["study=two words"], "study='two words': must be 1-200 characters"),
     (["strategy=zero9"], "strategy=zero9: no such option; available: auto, ddp, hybrid, pp, tp, zero1, zero2, zero3"),
     (["strategy=hybrid", "strategy.dp_shard=3"], "= 3, but the world size is 2"),
     (["strategy=hybrid", "strategy.dp_shard=-1", "strategy.tp=-1"], "are all -1"),

@@ -1,0 +1,189 @@
+"""A study end to end: a real 2 strategies x 2 sizes sweep on CPU, its report, the same report
+rebuilt from MLflow, the page in headless Chromium, and the runs over a real MLflow server's REST API."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PLOTS = {"efficiency.png", "throughput_per_device.png", "loss_vs_samples.png", "mfu.png", "memory.png",
+         "busbw.png", "lr_find.png"}
+POINTS = {("ddp", 1), ("ddp", 2), ("zero3", 1), ("zero3", 2)}
+
+
+def run_cli(cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    """One sweep, shared by the tests below: ~1 minute on 2 cores."""
+    tmp = tmp_path_factory.mktemp("study")
+    result = run_cli(tmp, "-m", "strategy=ddp,zero3", "nodes=1,2", "experiment=smoke", "hydra.sweep.dir=sweep")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summaries = [json.loads(p.read_text()) for p in sorted((tmp / "sweep").rglob("summary.json"))]
+    match = re.search(r"^study (\S+): MLflow run (\w+);", result.stdout, re.M)
+    assert match, result.stdout[-2000:]
+    return {"dir": tmp, "stdout": result.stdout, "summaries": summaries, "id": match[1], "study_run": match[2],
+            "uri": f"sqlite:///{tmp}/outputs/mlflow.db"}
+
+
+def table_lines(markdown: str) -> list[str]:
+    return [line for line in markdown.splitlines() if line.startswith("|")]
+
+
+@pytest.mark.slow
+def test_the_sweep_writes_a_study_report_with_every_plot_and_row(study):
+    folder = study["dir"] / "sweep" / "study"
+    assert {p.name for p in folder.iterdir()} == PLOTS | {"report.md", "report.html"}
+    rows = table_lines((folder / "report.md").read_text())[2:]
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    assert {(c[0], int(c[1])) for c in cells} == POINTS
+    for c in cells:
+        assert c[-1] == "ok"
+        assert float(c[3]) > 0  # samples/s, measured
+        if c[1] == "1":
+            assert float(c[5]) == 1.0  # a world of one is its own baseline
+        assert c[9] != "-", "every run holds the plan's prediction against its measurement"
+
+
+@pytest.mark.slow
+def test_the_invocations_are_one_study_and_share_cached_stages(study):
+    assert {s["run"]["study"] for s in study["summaries"]} == {study["id"]}
+    ran = {name: sum(s["stages"][name]["status"] == "ran" for s in study["summaries"]) for name in ("env", "lr_find")}
+    assert ran == {"env": 2, "lr_find": 1}, "env once per world size, the LR finder once for the study"
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=study["uri"])
+    experiment = client.get_experiment_by_name("scalestudy")
+    runs = client.search_runs([experiment.experiment_id], f"tags.study = '{study['id']}'")
+    parents = [r for r in runs if r.data.tags["kind"] == "study"]
+    invocations = [r for r in runs if r.data.tags["kind"] == "invocation"]
+    assert [r.info.run_id for r in parents] == [study["study_run"]]
+    assert len(invocations) == 4
+    assert {r.data.tags["mlflow.parentRunId"] for r in invocations} == {study["study_run"]}
+    # The params MLflow's compare view plots efficiency against.
+    assert {(r.data.params["strategy"], int(r.data.params["world_size"])) for r in invocations} == POINTS
+    assert all(int(r.data.params["global_batch"]) == 4 * int(r.data.params["world_size"]) for r in invocations)
+    logged = {a.path for a in client.list_artifacts(study["study_run"], "study")}
+    assert {"study/report.html", "study/report.md", "study/efficiency.png"} <= logged
+
+
+@pytest.mark.slow
+def test_compare_rebuilds_the_same_table_from_mlflow_alone(study):
+    sweep_table = table_lines((study["dir"] / "sweep" / "study" / "report.md").read_text())
+    for selector in (study["id"], "scalestudy"):  # a study id, or an experiment name
+        result = run_cli(study["dir"], "pipeline=compare", f"study={selector}", f"hydra.run.dir=compare-{selector}")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        rebuilt = study["dir"] / f"compare-{selector}" / "study"
+        assert table_lines((rebuilt / "report.md").read_text()) == sweep_table
+        assert PLOTS <= {p.name for p in rebuilt.iterdir()}
+        summary = json.loads((study["dir"] / f"compare-{selector}" / "summary.json").read_text())
+        assert list(summary["stages"]) == ["compare"], "no stage of the study ran again"
+
+
+@pytest.mark.slow
+def test_compare_of_an_unknown_study_is_one_line(study):
+    result = run_cli(study["dir"], "pipeline=compare", "study=no-such-study", "hydra.run.dir=compare-none")
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: study='no-such-study': matches no runs")
+    assert not (study["dir"] / "compare-none").exists()
+
+
+def console_messages(page: Path, tmp: Path) -> tuple[str, list[str]]:
+    """Load `page` in headless Chromium: (the DOM it built, its console messages)."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("chromium is not installed: run `bash scripts/chromium.sh` (CI's .ci/run does)")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp / 'chromium-profile'}", "--enable-logging=stderr", "--v=0"]
+    result = subprocess.run([chromium, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout, [line for line in result.stderr.splitlines() if ":CONSOLE" in line]
+
+
+@pytest.mark.slow
+def test_the_html_page_loads_in_headless_chromium_without_console_errors(study, tmp_path):
+    # The detector first: a page with a planted error must be caught, or "no errors" means nothing.
+    planted = tmp_path / "planted.html"
+    planted.write_text('<!DOCTYPE html><html><body><script>console.error("planted"); nope();</script></body></html>')
+    _, messages = console_messages(planted, tmp_path)
+    assert any("planted" in m for m in messages) and any("nope is not defined" in m for m in messages)
+
+    page = study["dir"] / "sweep" / "study" / "report.html"
+    dom, messages = console_messages(page, tmp_path)
+    assert messages == []
+    assert dom.count("<tr>") == 1 + len(POINTS)
+    # Self-contained: every image is inline and decodes; nothing is fetched from elsewhere.
+    sources = re.findall(r'src="([^"]+)"', page.read_text())
+    assert len(sources) == len(PLOTS)
+    from matplotlib.image import imread
+
+    for src in sources:
+        assert src.startswith("data:image/png;base64,")
+        assert imread(io.BytesIO(base64.b64decode(src.split(",", 1)[1])), format="png").shape[0] > 100
+    assert not re.search(r'(href|src)="(?!data:)', page.read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_an_mlflow_server_lists_the_study_runs_over_rest(study):
+    port = free_port()
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--workers", "1", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", study["uri"]],
+        cwd=study["dir"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2).close()
+                break
+            except OSError:
+                assert server.poll() is None, "mlflow server exited"
+                assert time.monotonic() < deadline, "mlflow server did not answer in 90 s"
+                time.sleep(0.5)
+        with urllib.request.urlopen(f"{base}/api/2.0/mlflow/experiments/get-by-name?experiment_name=scalestudy") as r:
+            experiment_id = json.load(r)["experiment"]["experiment_id"]
+        query = json.dumps({"experiment_ids": [experiment_id], "max_results": 100,
+                            "filter": f"tags.study = '{study['id']}' AND tags.kind = 'invocation'"}).encode()
+        request = urllib.request.Request(f"{base}/api/2.0/mlflow/runs/search", data=query,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            runs = json.load(r)["runs"]
+        params = [{p["key"]: p["value"] for p in run["data"]["params"]} for run in runs]
+        assert {(p["strategy"], int(p["world_size"])) for p in params} == POINTS
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the server and its worker, by the PID we started
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server.pid, 0)
