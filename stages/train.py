@@ -6,8 +6,10 @@ Scaling efficiency = samples/s(N) / (N x samples/s(1)), both measured in the sam
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,7 @@ from training.memory import StepProbe
 from training.models import logits_loss, tokens_per_sample
 from training.parallel.compose import build_optimizer, parallelize
 from training.profile import StepProfiler, TimeSplit
+from training.sysmetrics import SystemSample, SystemSampler, node_id, sample_metrics
 
 GIB = 1024**3
 
@@ -124,6 +127,8 @@ class TrainResult:
     """The plan's prediction for this run and its relative errors."""
     time_split: list[TimeSplit]
     """torch.profiler's split of a step into communication, matmul, memcpy and other (rank 0)."""
+    system: list[SystemSample]
+    """Each node's system metrics during the run (sampled by its local rank 0)."""
 
     def metrics(self) -> list[tuple[str, float, int]]:
         out = [("train/loss", loss, step) for step, loss in enumerate(self.losses, 1)]
@@ -164,6 +169,7 @@ class TrainResult:
         if self.bucket_allreduce_ms:
             scalars["comm/ddp_bucket_allreduce_ms_median"] = statistics.median(self.bucket_allreduce_ms)
             out += [("comm/ddp_bucket_allreduce_ms", ms, i) for i, ms in enumerate(self.bucket_allreduce_ms)]
+        out += sample_metrics(self.system)
         return out + [(k, v, 0) for k, v in scalars.items()]
 
     def headline(self) -> str:
@@ -222,17 +228,20 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
     # Profile between the memory-probed first step and the timed window, so neither is disturbed.
     count = min(t.profile_steps, t.timing_warmup - 1, t.steps - first - 1)
     profiler = StepProfiler(first + 1, count, bench.dev) if count > 0 else None
-    stats = train_loop(
-        parallel, optimizer, scheduler, bench.pool, batches, t.steps, t.grad_clip, t.log_every, t.timing_warmup,
-        bench.dev,
-        on_log=lambda step, loss: log("train", f"step {step}/{t.steps} loss {loss:.4f}"),
-        resume=resume,
-        ckpt_every=t.ckpt_every,
-        on_checkpoint=lambda step, losses, lrs: checkpoint.save(
-            checkpoints, step, parallel.model, optimizer, losses, lrs, layout, zero1),
-        probe=StepProbe(parallel.model, bench.dev),
-        profiler=profiler,
-    )
+    sampling = t.system_metrics_s > 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0
+    sampler = SystemSampler(t.system_metrics_s, node_id()) if sampling else contextlib.nullcontext()
+    with sampler:
+        stats = train_loop(
+            parallel, optimizer, scheduler, bench.pool, batches, t.steps, t.grad_clip, t.log_every, t.timing_warmup,
+            bench.dev,
+            on_log=lambda step, loss: log("train", f"step {step}/{t.steps} loss {loss:.4f}"),
+            resume=resume,
+            ckpt_every=t.ckpt_every,
+            on_checkpoint=lambda step, losses, lrs: checkpoint.save(
+                checkpoints, step, parallel.model, optimizer, losses, lrs, layout, zero1),
+            probe=StepProbe(parallel.model, bench.dev),
+            profiler=profiler,
+        )
     world = dims.world_size
     samples_per_s = stats.timed_steps * batches.global_batch / stats.timed_seconds
     base = baseline.samples_per_s if baseline is not None else samples_per_s
@@ -243,6 +252,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
     efficiency = samples_per_s / (world * base)
     stage = dims.coordinates(rank())["pp"] if world > 1 else 0
     digests = gather_objects((stage, parameter_digest(parallel.model)))
+    system = [x for node in gather_objects(sampler.samples if sampling else []) for x in node]
     return TrainResult(
         strategy=strategy.name,
         strategy_from_plan=auto,
@@ -280,5 +290,6 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
         time_split=profiler.split if profiler is not None else [],
         prediction=check_prediction(plan, strategy.name, world, step_time, samples_per_s, efficiency,
                                     memory.peak_bytes),
+        system=system,
         ranks_in_sync=all(len({d for s, d in digests if s == k}) == 1 for k in {s for s, _ in digests}),
     )

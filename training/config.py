@@ -203,8 +203,12 @@ class TrainConfig:
     peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU; null uses the known datasheet value for the GPU, or
     reports no MFU (CPUs have no reliable peak)."""
+    system_metrics_s: float = 1.0
+    """Seconds between per-node system metric samples (CPU, memory, GPU memory) during the run,
+    logged as MLflow's system/<node id>/... metrics; 0 disables."""
 
     def __post_init__(self) -> None:
+        _at_least("system_metrics_s", self.system_metrics_s, 0, "a number")
         for key in ("steps", "micro_batch", "grad_accum", "log_every"):
             _at_least(key, getattr(self, key), 1)
         _at_least("global_batch", self.global_batch, 1)

@@ -43,3 +43,19 @@ def test_accumulation_matches_the_larger_micro_batch():
     accumulated = run_world("tests.dist.workers:train_ddp", inputs(micro_batch=2, steps=6, grad_accum=2), world=2)
     plain = run_world("tests.dist.workers:train_ddp", inputs(micro_batch=4, steps=6), world=2)
     assert accumulated.losses == pytest.approx(plain.losses, rel=1e-5, abs=1e-5)
+
+
+def test_each_node_reports_its_system_metrics_under_its_own_id(world2):
+    from training.sysmetrics import sample_metrics
+
+    nodes = sorted({s.node for s in world2.system})
+    assert len(nodes) == 2 and nodes[0].endswith("-node0") and nodes[1].endswith("-node1")
+    for node in nodes:
+        samples = [s for s in world2.system if s.node == node]
+        assert len(samples) >= 1, "a sample at the end even of a run shorter than the interval"
+        assert [s.t_s for s in samples] == sorted(s.t_s for s in samples) and samples[-1].t_s > 0
+        assert all(0 <= s.cpu_utilization_percentage <= 100 * 64 for s in samples)
+        assert all(0 < s.system_memory_usage_percentage < 100 for s in samples)
+    keys = {k for k, _, _ in sample_metrics(world2.system)}
+    assert f"system/{nodes[1]}/cpu_utilization_percentage" in keys
+    assert f"system/{nodes[0]}/system_memory_usage_megabytes" in keys
