@@ -12,13 +12,14 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from pipelines.cache import Cache, Entry, digest, stage_key
 from pipelines.configtools import flatten, to_jsonable
 from pipelines.dag import Dag, Stage, build, stage_inputs
 from pipelines.launchers import Launcher, StageFailed, Task, WorldSpec, make_launcher
 from pipelines.launchers.worker import run_task
+from pipelines.progress import StageProgress, progress_file
 from pipelines.redact import redact_mapping, redact_text
 from pipelines.schema import Config
 from pipelines.tracking import Tracker, git_commit, make_tracker
@@ -66,8 +67,11 @@ NOT_SELECTED = "not selected by only=[...]"
 
 
 class Runner:
-    def __init__(self, cfg: Config, run_dir: Path, tracker: Tracker, launcher: Launcher, echo=print):
+    def __init__(self, cfg: Config, run_dir: Path, tracker: Tracker, launcher: Launcher, echo=print,
+                 stream: TextIO | None = None):
         self.cfg, self.run_dir, self.tracker, self.launcher, self.echo = cfg, run_dir, tracker, launcher, echo
+        self.stream = stream
+        """Where the live progress line goes (stdout by default; drawn only on a terminal)."""
         self.dag: Dag = build(cfg.pipeline)
         self.cache = Cache(cfg.cache_dir)
         self.cache.sweep_stale()
@@ -170,7 +174,8 @@ class Runner:
 
     def _launch(self, stage: Stage, task: Task, world: WorldSpec) -> Any:
         if stage.spec.resources != "driver":
-            return self.launcher.run(task, world)
+            with StageProgress(task.stage, progress_file(Path(task.workdir)), self.stream):
+                return self.launcher.run(task, world)
         Path(task.workdir).mkdir(parents=True, exist_ok=True)
         try:
             return run_task(task)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stages.common import log
-from training.collectives import Measurement, message_sizes, probe
+from stages.common import log, progress
+from training.collectives import Measurement, element_count, message_sizes, probe
 from training.config import BandwidthConfig
 from training.dist import backend, is_main, world_size
 
@@ -104,8 +104,10 @@ def run(cfg: BandwidthInputs) -> BandwidthResult:
     if is_main():
         log("bandwidth", f"world {world} ({backend()}), {len(sizes)} sizes "
                          f"{human_bytes(sizes[0])}..{human_bytes(sizes[-1])}, {', '.join(bw.collectives)}")
-    progress = (lambda line: log("bandwidth", line)) if is_main() else None
-    return _result(bw, world, probe(bw.collectives, sizes, bw.warmup_iters, bw.iters, progress), None)
+    total = len({element_count(size, world) for size in sizes}) * len(bw.collectives)  # as probe() dedupes
+    done = iter(range(1, total + 1))
+    report = (lambda line: progress("bandwidth", f"{next(done)}/{total} measured; {line.strip()}")) if is_main() else None
+    return _result(bw, world, probe(bw.collectives, sizes, bw.warmup_iters, bw.iters, report), None)
 
 
 def _result(bw: BandwidthConfig, world: int, results: list[Measurement], skipped: str | None) -> BandwidthResult:

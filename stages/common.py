@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from pipelines.progress import PROGRESS_ENV
 from training.config import DataConfig, ModelConfig
 from training.data import make_pool
 from training.dist import device
@@ -31,3 +35,15 @@ def workbench(model: ModelConfig, data: DataConfig, seed: int) -> Workbench:
 def log(stage: str, message: str) -> None:
     """A progress line in the rank's log (rank 0's is the one to read)."""
     print(f"[{stage}] {message}", flush=True)
+
+
+def progress(stage: str, message: str) -> None:
+    """`log`, and on rank 0 also the stage's live status for the driver's progress line
+    (pipelines.progress): one small file, replaced whole, that the driver polls."""
+    log(stage, message)
+    path = os.environ.get(PROGRESS_ENV)
+    if path and os.environ.get("RANK", "0") == "0":
+        tmp = f"{path}.tmp"
+        with contextlib.suppress(OSError):  # a status line is never worth failing the stage
+            Path(tmp).write_text(message)
+            os.replace(tmp, path)

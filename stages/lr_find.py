@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from stages.common import log, workbench
+from stages.common import log, progress, workbench
 from training.config import DataConfig, LrFindConfig, ModelConfig
 from training.data import GlobalBatches
 from training.lr_finder import range_test, scale_lr, suggest
@@ -89,6 +89,8 @@ def run(cfg: LrFindInputs) -> LrFindResult:
     test = range_test(
         bench.model, optimizer, batches(), loss_fn,
         finder.min_lr, finder.max_lr, finder.num_iters, finder.beta, finder.diverge_threshold,
+        on_step=lambda i, lr, loss: progress("lr_find", f"iteration {i + 1}/{finder.num_iters}: lr {lr:.2e}, "
+                                                        f"smoothed loss {loss:.4f}"),
     )
     suggested = suggest(test.lrs, test.smoothed, finder.suggestion)
     log("lr_find", f"{len(test.lrs)} iterations, suggested {suggested:.3e} at batch {batch}")

@@ -11,12 +11,13 @@ import dataclasses
 import hashlib
 import os
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from stages.common import log, workbench
+from stages.common import log, progress, workbench
 from stages.lr_find import LrFindResult
 from stages.plan import PlanResult
 from training import checkpoint
@@ -180,6 +181,20 @@ class TrainResult:
         )
 
 
+class StepReporter:
+    """Each logged step's loss and the samples/s since the previous one, as progress."""
+
+    def __init__(self, steps: int, global_batch: int, first: int):
+        self.steps, self.global_batch = steps, global_batch
+        self.last_step, self.last_t = first, time.perf_counter()
+
+    def __call__(self, step: int, loss: float) -> None:
+        now = time.perf_counter()
+        rate = (step - self.last_step) * self.global_batch / max(now - self.last_t, 1e-9)
+        self.last_step, self.last_t = step, now
+        progress("train", f"step {step}/{self.steps} loss {loss:.4f}, {rate:.1f} samples/s")
+
+
 def parameter_digest(model: torch.nn.Module) -> str:
     """A hash of every parameter's full value (sharded ones gathered: a collective)."""
     h = hashlib.sha256()
@@ -234,7 +249,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
         stats = train_loop(
             parallel, optimizer, scheduler, bench.pool, batches, t.steps, t.grad_clip, t.log_every, t.timing_warmup,
             bench.dev,
-            on_log=lambda step, loss: log("train", f"step {step}/{t.steps} loss {loss:.4f}"),
+            on_log=StepReporter(t.steps, batches.global_batch, first),
             resume=resume,
             ckpt_every=t.ckpt_every,
             on_checkpoint=lambda step, losses, lrs: checkpoint.save(

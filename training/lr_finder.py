@@ -136,13 +136,15 @@ def range_test(
     num_iters: int,
     beta: float,
     diverge_threshold: float,
+    on_step: Callable[[int, float, float], None] | None = None,
 ) -> RangeTest:
     """Ramp the LR from `min_lr` to `max_lr` over `num_iters` steps and record the loss curve.
 
     Each step sets every param group's LR, then runs one forward/backward/step on the next batch.
     The test stops early when the smoothed loss exceeds `diverge_threshold` times the best seen
     (that point is kept, it shows the blow-up) or the loss is not finite (that point is dropped,
-    it would poison the curve). The model and optimizer are restored afterwards.
+    it would poison the curve). The model and optimizer are restored afterwards. `on_step(i, lr,
+    smoothed loss)` follows each step (progress).
     """
     lrs: list[float] = []
     losses: list[float] = []
@@ -159,6 +161,8 @@ def range_test(
             lrs.append(lr)
             losses.append(loss)
             smoothed.append(avg / (1 - beta ** (i + 1)))
+            if on_step is not None:
+                on_step(i, lr, smoothed[-1])
             if i > 0 and smoothed[-1] > diverge_threshold * best:
                 return RangeTest(lrs, losses, smoothed, stopped_early=True, best_loss=best)
             best = min(best, smoothed[-1])

@@ -123,17 +123,22 @@ class RayLauncher:
             ),
             run_config=RunConfig(
                 # A reused name would resume that old run: every call gets its own.
-                name=f"{task.stage}-{uuid.uuid4().hex[:8]}",
+                name=(name := f"{task.stage}-{uuid.uuid4().hex[:8]}"),
                 storage_path=str(self.run_dir / "ray-train"),
                 failure_config=FailureConfig(max_failures=self.cfg.max_failures),
             ),
         )
+        start = time.monotonic()
+        print(f"ray: {task.stage} run {name} SUBMITTED: {world.size} workers, {resources}", flush=True)
         try:
             result = trainer.fit()
         except ray.train.WorkerGroupError as err:
+            print(f"ray: {task.stage} run {name} FAILED {time.monotonic() - start:.0f}s", flush=True)
             raise StageFailed(_describe_failure(err.worker_failures, workdir)) from None
         except ray.train.ControllerError as err:
+            print(f"ray: {task.stage} run {name} FAILED {time.monotonic() - start:.0f}s", flush=True)
             raise StageFailed(_describe_controller_failure(err.controller_failure, workdir)) from None
+        print(f"ray: {task.stage} run {name} FINISHED {time.monotonic() - start:.0f}s", flush=True)
         encoded = (result.metrics or {}).get(RESULT_KEY)
         if encoded is None:
             raise StageFailed(f"{task.stage}: rank 0 finished but reported no result (logs: {workdir}/rank0.log)")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -210,7 +209,6 @@ class SlurmLauncher:
     def _wait(self, job: submitit.Job, stage: str) -> str:
         """Poll the job until it ends; return its final state (COMPLETED, FAILED, ...)."""
         start, shown = time.monotonic(), ""
-        tty = sys.stdout.isatty()
         while True:
             # One forced sacct per poll: submitit's own cache refreshes only every few minutes.
             job.watcher.update()
@@ -218,7 +216,7 @@ class SlurmLauncher:
             # sacct knows a job only once the controller has recorded it.
             state = "SUBMITTED" if state == "UNKNOWN" else state
             elapsed = time.monotonic() - start
-            if tty or state != shown:
+            if state != shown:  # a line per state; the live progress line shows the rest
                 print(f"slurm: {stage} job {job.job_id} {state} {elapsed:.0f}s", flush=True)
                 shown = state
             if job.watcher.is_done(job.job_id, mode="cache"):

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.launchers.base import Task
+from pipelines.progress import PROGRESS_ENV, progress_file
 
 RESULT_FILE = "result.pkl"
 ERROR_FILE = "error-rank{rank}.json"
@@ -84,6 +85,8 @@ def run_task(task: Task) -> Any:
     fn = resolve_function(task.fn)
     kwargs = dict(task.kwargs)
     rank = int(os.environ.get("RANK", "0"))
+    if task.workdir is not None:
+        os.environ[PROGRESS_ENV] = str(progress_file(Path(task.workdir)))
     if task.artifacts is not None:
         # Only rank 0 writes artifacts; the others get a private scratch directory.
         kwargs["artifacts"] = task.artifacts if rank == 0 else Path(task.workdir) / f"scratch-rank{rank}"

@@ -56,3 +56,15 @@ def wrong_needs(cfg: SeedInputs, *, other: Num) -> Num:
 
 def untyped(cfg, *, source: Num) -> Num:  # noqa: ANN001 - deliberately unannotated
     return source
+
+
+def reports_progress(_inputs: object) -> str:
+    """A worker stage that reports five iterations as a real stage does, slowly enough to be seen."""
+    import time
+
+    from stages.common import progress
+
+    for i in range(1, 6):
+        progress("lr_find", f"iteration {i}/5")
+        time.sleep(0.2)
+    return "done"
