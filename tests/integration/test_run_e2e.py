@@ -48,7 +48,8 @@ def test_first_run_runs_every_stage(workspace):
     for m in stage["bandwidth"]["result"]["results"]:
         assert set(m) == {"collective", "bytes", "time_us", "algbw_gbps", "busbw_gbps"} and m["busbw_gbps"] > 0
     assert stage["bandwidth"]["result"]["verdict"]
-    assert {"suggested_lr", "scaled_lr", "rule", "curve"} <= set(stage["lr_find"]["result"])
+    assert {"suggested_lr", "finder_batch", "lr_scaling", "rule", "curve"} <= set(stage["lr_find"]["result"])
+    assert summary["run"]["world_size"] == 2 and summary["run"]["global_batch"] == train_batch(summary)
     assert {"recommended_strategy", "reasons", "peak_memory_bytes", "flops_per_sample"} <= set(stage["plan"]["result"])
     train = stage["train"]["result"]
     keys = {"strategy", "world_size", "steps", "final_loss", "losses", "samples_per_s", "baseline_samples_per_s",
@@ -70,6 +71,10 @@ def test_first_run_runs_every_stage(workspace):
     assert 0.2 < check["step_time_s"] / train["step_time_s"] < 5
     for name in ("report.md", "lr_find.png", "busbw.png", "loss.png"):
         assert (cwd / "runs/first/report" / name).stat().st_size > 0
+
+
+def train_batch(summary: dict) -> int:
+    return summary["stages"]["train"]["result"]["global_batch"]
 
 
 @pytest.mark.slow
