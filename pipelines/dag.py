@@ -18,9 +18,10 @@ from typing import Any
 from pipelines.schema import PipelineConfig, StageSpec
 from training.config import ConfigError
 
-RESERVED = ("artifacts", "checkpoints", "baseline")
+RESERVED = ("artifacts", "checkpoints", "baseline", "history")
 """Parameters the engine fills: a directory for artifacts, a stable directory for checkpoints that
-a re-run of the same key finds again, and the 1-device baseline result."""
+a re-run of the same key finds again, the 1-device baseline result, and earlier runs' measured
+steps from MLflow (empty unless the stage's spec sets `history`)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class Stage:
     @property
     def wants_artifacts(self) -> bool:
         return "artifacts" in inspect.signature(self.fn).parameters
+
+    @property
+    def wants_history(self) -> bool:
+        return "history" in inspect.signature(self.fn).parameters
 
     @property
     def wants_checkpoints(self) -> bool:
@@ -107,7 +112,7 @@ def _check_signature(name: str, spec: StageSpec, fn: Any) -> tuple[type, type]:
     inputs = hints.get(params[0].name)
     if not (isinstance(inputs, type) and dataclasses.is_dataclass(inputs)):
         raise ConfigError(key, spec.needs, f"{spec.fn}'s first parameter must be annotated with a dataclass: {right_form}")
-    takes = [p.name for p in params[1:] if p.name not in ("artifacts", "checkpoints")]
+    takes = [p.name for p in params[1:] if p.name not in ("artifacts", "checkpoints", "history")]
     if sorted(takes) != sorted(wanted):
         raise ConfigError(
             key,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pipelines.cache import Cache, Entry, digest, stage_key
+from pipelines.calibration import calibration_key
 from pipelines.configtools import flatten, to_jsonable
 from pipelines.dag import Dag, Stage, build, stage_inputs
 from pipelines.launchers import Launcher, StageFailed, Task, WorldSpec, make_launcher
@@ -117,6 +118,9 @@ class Runner:
         inputs = stage_inputs(stage, self.cfg)
         kwargs = {n: done[n].result for n in stage.spec.needs}
         upstream = {n: digest(done[n].result) for n in stage.spec.needs}
+        if stage.wants_history:
+            kwargs["history"] = self.tracker.history(calibration_key(self.cfg)) if stage.spec.history else []
+            upstream["history"] = digest(kwargs["history"])
         baseline_info = None
         world = self._world_of(stage)
         if stage.spec.baseline:
@@ -273,7 +277,8 @@ def run_pipeline(cfg: Config, run_dir: Path, echo=print) -> Summary:
         raise
     world = cfg.nodes * cfg.procs_per_node
     facts = run_facts(cfg)
-    tags = {"kind": "compare" if cfg.pipeline.name == "compare" else "invocation"}
+    tags = {"kind": "compare" if cfg.pipeline.name == "compare" else "invocation",
+            "calibration_key": calibration_key(cfg)}
     if cfg.study:
         tags["study"] = cfg.study
     if study_run:

@@ -52,6 +52,9 @@ class StageSpec:
     every time and its result is not stored."""
     publish: str | None = None
     """A folder of the run dir to copy the stage's artifacts to (report -> report/)."""
+    history: bool = False
+    """Pass the stage earlier runs' measured train steps from MLflow as `history` (plan, when
+    plan.calibrate=true); they join its cache key, so a new measurement re-plans."""
 
     def __post_init__(self) -> None:
         if ":" not in self.fn:

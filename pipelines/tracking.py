@@ -28,6 +28,8 @@ class Tracker(Protocol):
 
     def study_run(self, study: str) -> str | None: ...
 
+    def history(self, key: str) -> list: ...
+
     def start(self, name: str, params: dict[str, Any], tags: dict[str, str]) -> None: ...
 
     def log_stage(
@@ -50,6 +52,9 @@ class NullTracker:
 
     def study_run(self, study: str) -> str | None:
         return None
+
+    def history(self, key: str) -> list:
+        return []
 
     def start(self, name: str, params: dict[str, Any], tags: dict[str, str]) -> None:
         pass
@@ -116,6 +121,12 @@ class MlflowTracker:
         if winner != mine:
             self.client.delete_run(mine)
         return winner
+
+    def history(self, key: str) -> list:
+        """Measured steps of earlier finished invocations with this calibration key."""
+        from pipelines.calibration import history_from_mlflow
+
+        return history_from_mlflow(self.client, self.experiment_id, key)
 
     def start(self, name: str, params: dict[str, Any], tags: dict[str, str]) -> None:
         run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)

@@ -43,7 +43,13 @@ def resolve(cfg: Config, gpus_per_node: int | None = None) -> Config:
     _check_outputs(cfg)
     _check_no_secrets_in_scripts(cfg)
     _check_compare(cfg)
+    _check_calibrate(cfg)
     return cfg
+
+
+def _check_calibrate(cfg: Config) -> None:
+    if cfg.plan.calibrate and cfg.tracking.name != "mlflow":
+        raise ConfigError("plan.calibrate", True, "reads earlier runs from MLflow: use tracking=mlflow")
 
 
 def _check_compare(cfg: Config) -> None:

@@ -22,11 +22,14 @@ from stages.common import log, workbench
 from stages.lr_find import LrFindResult
 from training.config import ClusterConfig, DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
 from training.costmodel import (
+    Calibration,
     Hardware,
     Link,
+    MeasuredStep,
     Prediction,
     Workload,
     device_counts,
+    fit_calibration,
     fit_link,
     gpt_shape,
     mlp_shape,
@@ -92,6 +95,8 @@ class PlanResult:
     predictions: list[Prediction]
     lr: float | None
     lr_rule: str | None
+    calibration: Calibration | None
+    """plan.calibrate=true with earlier runs found: the scales applied to every prediction."""
 
     def metrics(self) -> list[tuple[str, float, int]]:
         out = [("memory/peak_gib", self.peak_memory_bytes / GIB, 0), ("plan/flops_per_sample", self.flops_per_sample, 0)]
@@ -108,6 +113,12 @@ class PlanResult:
         for p in self.predictions:
             out += [(f"plan/{p.strategy}/predicted_efficiency", p.scaling_efficiency, p.devices),
                     (f"plan/{p.strategy}/predicted_tokens_per_s", p.tokens_per_s, p.devices)]
+        if self.calibration is not None:
+            c = self.calibration
+            out += [("plan/calibration_points", float(c.points), 0), ("plan/calibration_compute_scale", c.compute_scale, 0),
+                    ("plan/calibration_error_before_pct", c.error_before_pct, 0),
+                    ("plan/calibration_error_after_pct", c.error_after_pct, 0)]
+            out += [(f"plan/calibration_comm_scale/{k}", v, 0) for k, v in c.comm_scale.items()]
         return out
 
     def headline(self) -> str:
@@ -262,17 +273,18 @@ def flops_for_whatif(cfg: PlanInputs) -> float:
     return 6 * shape.params
 
 
-def predictions(cfg: PlanInputs, w: Workload, hw: Hardware, world: int) -> list[Prediction]:
+def predictions(cfg: PlanInputs, w: Workload, hw: Hardware, world: int,
+                calibration: Calibration | None = None) -> list[Prediction]:
     limit = cfg.plan.memory_fraction * hw.device_memory_bytes
     overlap = cfg.plan.overlap if cfg.plan.overlap is not None else (0.0 if hw.cores else 1.0)
-    base = predict(w, hw, "ddp", 1, float("inf"), overlap, 1.0)
+    base = predict(w, hw, "ddp", 1, float("inf"), overlap, 1.0, calibration)
     single = base.samples_per_s
     out = []
     for devices in device_counts(cfg.plan.max_devices, world):
         if devices > 1 and not hw.intra:
             continue  # no bandwidth measured: nothing to predict beyond one device
         for strategy in cfg.plan.strategies:
-            p = predict(w, hw, strategy, devices, limit, overlap, single)
+            p = predict(w, hw, strategy, devices, limit, overlap, single, calibration)
             if p is not None:
                 out.append(p)
     return out
@@ -336,18 +348,26 @@ def lr_reason(lr: LrFindResult, target_batch: int, warmup_steps: int) -> str:
     return text
 
 
-def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult) -> PlanResult:
+def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult,
+        history: list[MeasuredStep]) -> PlanResult:
+    """`history`: earlier runs' measured steps (the engine fills it from MLflow when
+    plan.calibrate=true; empty otherwise)."""
     world = cfg.nodes * cfg.procs_per_node
     rulers = measure(cfg, bandwidth)
     micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
     w = workload(cfg, rulers.activation_bytes / micro if cfg.cluster.measured else None)
     hw = hardware(cfg, rulers, bandwidth, micro)
-    preds = predictions(cfg, w, hw, world)
+    calibration = fit_calibration(history) if cfg.plan.calibrate else None
+    preds = predictions(cfg, w, hw, world, calibration)
     choice, reasons = recommend(preds, world, cfg, hw)
     target = micro * cfg.train.grad_accum * data_parallel_size(cfg)
     reasons += ruler_reasons(rulers, cfg, world) + [lr_reason(lr_find, target, cfg.train.warmup_steps)]
+    if cfg.plan.calibrate:
+        reasons.append(calibration.describe() if calibration is not None else
+                       "calibration: no earlier run of this model, batch, cluster and launcher in MLflow yet; "
+                       "the uncalibrated model")
     result = PlanResult(choice, reasons, rulers.peak_memory_bytes, rulers.flops_per_sample, rulers, world, micro,
-                        preds, lr_find.scaled(target), lr_find.lr_scaling)
+                        preds, lr_find.scaled(target), lr_find.lr_scaling, calibration)
     for line in [*reasons, result.table()]:
         log("plan", line)
     return result
@@ -366,7 +386,7 @@ def whatif(cfg: PlanInputs) -> PlanResult:
     choice, reasons = recommend(preds, world, cfg, hw)
     flops = flops_for_whatif(cfg)
     peak = max((p.memory_per_device_bytes for p in preds if p.devices == world and p.strategy == choice), default=0)
-    result = PlanResult(choice, reasons, int(peak), flops, None, world, w.micro_batch, preds, None, None)
+    result = PlanResult(choice, reasons, int(peak), flops, None, world, w.micro_batch, preds, None, None, None)
     print(f"what-if: model={cfg.model.name} ({w.shape.params / 1e9:.2f} B parameters) on cluster={cfg.cluster.name}, "
           f"{cfg.nodes} nodes x {cfg.procs_per_node} = {world} devices, micro-batch {w.micro_batch}")
     print(result.table())

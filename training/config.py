@@ -324,6 +324,9 @@ class PlanConfig:
     the same cores the backward does, so nothing hides)."""
     strategies: list[str] = field(default_factory=lambda: ["ddp", "zero1", "zero2", "zero3", "tp", "pp"])
     """Strategies the plan compares."""
+    calibrate: bool = False
+    """Refine the model's compute and communication terms from earlier runs of the same model and
+    batch on the same cluster and launcher, found in MLflow (a study's earlier points included)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.memory_fraction <= 1:

@@ -13,6 +13,7 @@ questions for a 70B model on 512 GPUs in milliseconds. Sources of the formulas:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -324,7 +325,97 @@ class Prediction:
     scaling_efficiency: float
     samples_per_s: float
     exposed_comm_s: float
+    """The model's exposed communication, before calibration."""
     bubble_s: float
+    """The model's pipeline bubble, before calibration."""
+    compute_s: float = 0.0
+    """The model's compute per step, before calibration (step_time_s = their sum uncalibrated)."""
+
+
+# ---- calibration ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """One earlier run: the model's uncalibrated components for it, and its measured step time."""
+
+    strategy: str
+    devices: int
+    compute_s: float
+    exposed_comm_s: float
+    bubble_s: float
+    measured_step_s: float
+
+    @property
+    def predicted_step_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s + self.bubble_s
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Scales fitted to earlier runs: step = compute_scale x (compute + bubble) + comm_scale[strategy]
+    x exposed communication. One compute scale for the host (contention, kernels the single-device
+    timing missed); one communication scale per strategy, since the α–β terms miss different things
+    for each (FSDP's per-block gathers pay the latency once per block, DDP's buckets once per bucket)."""
+
+    compute_scale: float
+    comm_scale: dict[str, float]
+    points: int
+    error_before_pct: float
+    """Median |measured - predicted| / measured over the points, uncalibrated."""
+    error_after_pct: float
+    """The same, calibrated (in-sample: the fit's own points)."""
+
+    def step_s(self, strategy: str, compute_s: float, exposed_comm_s: float, bubble_s: float) -> float:
+        comm = self.comm_scale.get(strategy, self.default_comm_scale)
+        return self.compute_scale * (compute_s + bubble_s) + comm * exposed_comm_s
+
+    @property
+    def default_comm_scale(self) -> float:
+        """For a strategy no earlier run measured: the median of the fitted ones, else 1."""
+        values = sorted(self.comm_scale.values())
+        return values[len(values) // 2] if values else 1.0
+
+    def describe(self) -> str:
+        comm = ", ".join(f"{k} x{v:.2f}" for k, v in sorted(self.comm_scale.items())) or "none measured"
+        return (f"calibration: {self.points} earlier runs; compute x{self.compute_scale:.2f}, communication "
+                f"{comm}; median step-time error on them {self.error_before_pct:.0f} % -> {self.error_after_pct:.0f} %")
+
+
+def fit_calibration(points: list[MeasuredStep]) -> Calibration | None:
+    """Least squares on relative error: minimise sum(((kc (c + b) + km[s] m - t) / t)^2) over the
+    points, with kc shared and km per strategy; scales are kept positive. None without points."""
+    import numpy as np
+
+    points = [p for p in points if p.measured_step_s > 0 and p.predicted_step_s > 0]
+    if not points:
+        return None
+    comm_strategies = sorted({p.strategy for p in points if p.exposed_comm_s > 0})
+    columns = ["compute", *comm_strategies]
+    a = np.zeros((len(points), len(columns)))
+    for i, p in enumerate(points):
+        a[i, 0] = (p.compute_s + p.bubble_s) / p.measured_step_s
+        if p.exposed_comm_s > 0:
+            a[i, columns.index(p.strategy)] = p.exposed_comm_s / p.measured_step_s
+    scales, *_ = np.linalg.lstsq(a, np.ones(len(points)), rcond=None)
+    scales = np.clip(scales, 1e-3, None)  # a negative scale is noise, not physics
+    calibration = Calibration(
+        compute_scale=float(scales[0]),
+        comm_scale={s: float(scales[1 + i]) for i, s in enumerate(comm_strategies)},
+        points=len(points),
+        error_before_pct=0.0,
+        error_after_pct=0.0,
+    )
+
+    def median_error(step: Callable[[MeasuredStep], float]) -> float:
+        errors = sorted(abs(p.measured_step_s - step(p)) / p.measured_step_s * 100 for p in points)
+        return errors[len(errors) // 2]
+
+    return dataclasses.replace(
+        calibration,
+        error_before_pct=median_error(lambda p: p.predicted_step_s),
+        error_after_pct=median_error(lambda p: calibration.step_s(p.strategy, p.compute_s, p.exposed_comm_s, p.bubble_s)),
+    )
 
 
 PRESET_DEGREES = {
@@ -357,8 +448,9 @@ def memory_per_device(w: Workload, strategy: str, d: Degrees) -> float:
 
 
 def predict(w: Workload, hw: Hardware, strategy: str, devices: int, memory_limit: float, overlap: float,
-            single_device_samples_per_s: float) -> Prediction | None:
-    """Step time, throughput, memory and efficiency of `strategy` on `devices`; None if impossible."""
+            single_device_samples_per_s: float, calibration: Calibration | None = None) -> Prediction | None:
+    """Step time, throughput, memory and efficiency of `strategy` on `devices`; None if impossible.
+    With a `calibration`, the step time is its refinement of the model's components."""
     d = PRESET_DEGREES[strategy](devices)
     if not feasible(w.shape, d, w):
         return None
@@ -366,19 +458,23 @@ def predict(w: Workload, hw: Hardware, strategy: str, devices: int, memory_limit
     comm = comm_time(w.shape, strategy, d, w.micro_batch, w.grad_accum, w.microbatches, dtype_bytes, hw.link)
     compute = hw.compute_per_sample(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp)
     step = step_time(compute, comm, d, w.microbatches, overlap)
-    samples_per_s = w.micro_batch * w.grad_accum * d.dp / step.step_s
+    step_s = step.step_s
+    if calibration is not None:
+        step_s = calibration.step_s(strategy, step.compute_s, step.exposed_comm_s, step.bubble_s)
+    samples_per_s = w.micro_batch * w.grad_accum * d.dp / step_s
     memory = memory_per_device(w, strategy, d)
     return Prediction(
         strategy=strategy,
         devices=devices,
         fits=memory <= memory_limit,
         memory_per_device_bytes=memory,
-        step_time_s=step.step_s,
+        step_time_s=step_s,
         tokens_per_s=samples_per_s * w.tokens_per_sample,
         scaling_efficiency=samples_per_s / (devices * single_device_samples_per_s),
         samples_per_s=samples_per_s,
         exposed_comm_s=step.exposed_comm_s,
         bubble_s=step.bubble_s,
+        compute_s=step.compute_s,
     )
 
 

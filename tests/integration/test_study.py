@@ -187,3 +187,21 @@ def test_an_mlflow_server_lists_the_study_runs_over_rest(study):
             server.wait()
     with pytest.raises(ProcessLookupError):
         os.killpg(server.pid, 0)
+
+
+@pytest.mark.slow
+def test_calibrate_refines_the_plan_from_the_studys_runs(study):
+    result = run_cli(study["dir"], "experiment=smoke", "strategy=zero3", "nodes=2", "plan.calibrate=true",
+                     "only=[plan]", "hydra.run.dir=calibrated")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    plan = json.loads((study["dir"] / "calibrated" / "summary.json").read_text())["stages"]["plan"]
+    assert plan["status"] == "ran", "new history is a new key: the plan is made again"
+    cal = plan["result"]["calibration"]
+    assert cal["points"] == 4 and set(cal["comm_scale"]) == {"ddp", "zero3"}
+    assert cal["error_after_pct"] < cal["error_before_pct"]
+    assert any(r.startswith("calibration: 4 earlier runs") for r in plan["result"]["reasons"])
+    measured = next(s["stages"]["train"]["result"]["step_time_s"] for s in study["summaries"]
+                    if s["run"]["strategy"] == "zero3" and s["run"]["nodes"] == 2)
+    p = next(p for p in plan["result"]["predictions"] if p["strategy"] == "zero3" and p["devices"] == 2)
+    raw = p["compute_s"] + p["exposed_comm_s"] + p["bubble_s"]
+    assert abs(p["step_time_s"] - measured) < abs(raw - measured)

@@ -27,6 +27,7 @@ def test_procs_per_node_defaults_to_the_gpus(compose_cfg):
 
 
 BAD = [
+    (["plan.calibrate=true", "tracking=none"], "plan.calibrate=True: reads earlier runs from MLflow"),
     (["pipeline=compare"], "study=None: pipeline=compare needs study=<study id or MLflow experiment name>"),
     (["pipeline=compare", "study=s1", "tracking=none"], "tracking='none': pipeline=compare reads MLflow"),
     (["study=two words"], "study='two words': must be 1-200 characters"),

@@ -1,0 +1,73 @@
+"""Earlier runs for plan.calibrate: which runs are comparable, and their measured steps.
+
+Two runs are comparable when the same model, data and batch ran on the same cluster through the
+same launcher with the same precision: then the cost model's components for one and its
+measured step time say how far the model is off for the other. Every invocation's MLflow run is
+tagged with that fingerprint (`calibration_key`); the runner hands the plan stage the measured
+steps of the finished ones as its `history`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pipelines.configtools import to_jsonable
+from training.costmodel import MeasuredStep
+
+
+def calibration_key(cfg: Any) -> str:
+    """The fingerprint of what the cost model's errors depend on (not the strategy or the world:
+    those are what calibration generalises over)."""
+    facts = {
+        "model": to_jsonable(cfg.model),
+        "data": to_jsonable(cfg.data),
+        "cluster": to_jsonable(cfg.cluster),
+        "precision": cfg.strategy.precision,
+        "activation_checkpointing": cfg.strategy.activation_checkpointing,
+        "batch": [cfg.train.micro_batch, cfg.train.global_batch, cfg.train.grad_accum],
+        "launcher": [cfg.launcher.name, cfg.launcher.partition, cfg.launcher.address],
+        "procs_per_node": cfg.procs_per_node,
+        # A measured cluster is this machine: its name and size say which one.
+        "host": [socket.gethostname(), os.cpu_count()] if cfg.cluster.measured else None,
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def measured_step(summary: dict[str, Any]) -> MeasuredStep | None:
+    """The train stage's measured step time beside its plan's uncalibrated components, or None."""
+    stages = summary.get("stages", {})
+    train, plan = (stages.get(n) or {} for n in ("train", "plan"))
+    t, p = train.get("result"), plan.get("result")
+    if train.get("status") not in ("ran", "cached") or not t or not p:
+        return None
+    match = next((x for x in p.get("predictions", [])
+                  if x["strategy"] == t["strategy"] and x["devices"] == t["world_size"] and "compute_s" in x), None)
+    if match is None:
+        return None
+    return MeasuredStep(t["strategy"], t["world_size"], match["compute_s"], match["exposed_comm_s"],
+                        match["bubble_s"], t["step_time_s"])
+
+
+def history_from_mlflow(client: Any, experiment_id: str, key: str, limit: int = 200) -> list[MeasuredStep]:
+    """Measured steps of finished invocations tagged with `key`, newest first, one per distinct
+    measurement (a re-run that was all cached repeats its first run's)."""
+    runs = client.search_runs([experiment_id], f"tags.kind = 'invocation' AND tags.calibration_key = '{key}' "
+                              "AND attributes.status = 'FINISHED'", max_results=limit,
+                              order_by=["attributes.start_time DESC"])
+    steps: dict[tuple[str, int, float], MeasuredStep] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, run in enumerate(runs):
+            try:
+                path = client.download_artifacts(run.info.run_id, "summary.json", str(Path(tmp) / str(i)))
+            except Exception:  # noqa: BLE001 - a run without its summary has nothing to offer
+                continue
+            step = measured_step(json.loads(Path(path).read_text()))
+            if step is not None:
+                steps.setdefault((step.strategy, step.devices, step.measured_step_s), step)
+    return list(steps.values())
