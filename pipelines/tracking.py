@@ -143,7 +143,9 @@ class MlflowTracker:
         child = run.info.run_id
         self._log(child, params=params, metrics=metrics)
         # Scalars also go on the parent, so runs compare side by side without opening children.
-        self._log(self.run_id, metrics=[m for m in metrics if m[2] == 0 and "/" in m[0]])
+        # (System metrics are time series of their own, step 0 being just their first sample.)
+        self._log(self.run_id, metrics=[m for m in metrics if m[2] == 0 and "/" in m[0]
+                                        and not m[0].startswith("system/")])
         if artifacts is not None and artifacts.is_dir() and any(artifacts.iterdir()):
             self.client.log_artifacts(child, str(artifacts))
         self.client.set_terminated(child, "FINISHED" if status in ("ran", "cached") else "FAILED")
