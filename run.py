@@ -20,7 +20,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines.cli import UserError, load, precheck
+from pipelines.cli import UserError, load, precheck, write_run_config
 from pipelines.schema import register
 from training.config import ConfigError
 
@@ -44,18 +44,19 @@ def app(dcfg: DictConfig) -> None:
             print(format_layout(plan_layout(cfg.model, cfg.data, cfg.strategy, world), cfg.strategy, world))
             EXIT_CODES.append(0)
             return
+        hydra_cfg = HydraConfig.get()
+        output_dir = Path(hydra_cfg.runtime.output_dir)
         if cfg.launcher.submit_only:
             from pipelines.launchers.slurm_batch import submit_pipeline
 
-            hydra_cfg = HydraConfig.get()
-            print(submit_pipeline(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)))
+            write_run_config(output_dir, cfg, list(hydra_cfg.overrides.task))
+            print(submit_pipeline(cfg, output_dir, list(hydra_cfg.overrides.task)))
             EXIT_CODES.append(0)
             return
-        hydra_cfg = HydraConfig.get()
-        output_dir = Path(hydra_cfg.runtime.output_dir)
         if cfg.study is None and hydra_cfg.mode == RunMode.MULTIRUN:
             # A sweep is a study: its jobs share the id of their sweep dir.
             cfg = dataclasses.replace(cfg, study=study_id_for(output_dir.parent))
+        write_run_config(output_dir, cfg, list(hydra_cfg.overrides.task))
         summary = run_pipeline(cfg, output_dir)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -120,3 +120,20 @@ def one_line(err: BaseException) -> str:
     if full_key:
         return f"{full_key}: {message}"
     return " ".join(lines) if lines else message
+
+
+def write_run_config(run_dir: Path, cfg: Any, overrides: list[str]) -> Path:
+    """`<run dir>/config.yaml`: the resolved config and the command line's overrides, secrets
+    masked. It stands in for Hydra's `.hydra/` files (disabled: they hold everything in clear)."""
+    from omegaconf import OmegaConf
+
+    from pipelines.configtools import to_jsonable
+    from pipelines.redact import redact_override, redact_tree
+
+    path = run_dir / "config.yaml"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = {"overrides": [redact_override(o) for o in overrides], "config": redact_tree(to_jsonable(cfg))}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(data)))
+    tmp.replace(path)
+    return path

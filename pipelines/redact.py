@@ -40,3 +40,21 @@ def redact_mapping(data: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = redact(key, value)
     return out
+
+
+def redact_tree(data: Any, key: str = "") -> Any:
+    """A nested config (dicts, lists, scalars), every value redacted by its own key."""
+    if isinstance(data, dict):
+        return {k: redact_tree(v, f"{key}.{k}" if key else str(k)) for k, v in data.items()}
+    if isinstance(data, list):
+        return [redact_tree(v, key) for v in data]
+    return redact(key, data)
+
+
+def redact_override(override: str) -> str:
+    """`key=value` as typed on the command line, its value redacted by its key."""
+    key, sep, value = override.partition("=")
+    if not sep:
+        return redact_text(override)
+    masked = redact(key.lstrip("+~"), value)
+    return f"{key}={masked}"

@@ -138,3 +138,28 @@ class StudyReportCallback(Callback):
             print(f"error: study report: {err}", file=sys.stderr)
         except Exception as err:  # noqa: BLE001 - the jobs' results stand; say why the report didn't
             print(f"error: study report for {sweep_dir} failed: {type(err).__name__}: {err}", file=sys.stderr)
+
+
+class RedactSweepConfig(Callback):
+    """Hydra's sweeper saves `<sweep dir>/multirun.yaml`, overrides included, in clear; mask its
+    secrets as soon as the first job starts (the runs' own config.yaml are written masked)."""
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        from omegaconf import OmegaConf
+
+        from pipelines.redact import redact_override, redact_tree
+
+        try:
+            path = Path(str(config.hydra.sweep.dir)) / "multirun.yaml"
+        except Exception:  # noqa: BLE001 - a single run has no sweep dir to look at
+            return
+        if not path.is_file():
+            return
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        task = data.get("hydra", {}).get("overrides", {}).get("task")
+        if task:
+            data["hydra"]["overrides"]["task"] = [redact_override(o) for o in task]
+        masked = redact_tree(data)  # hydra's own part too: override_dirname repeats the overrides
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(masked)))
+        tmp.replace(path)

@@ -163,12 +163,21 @@ def test_planted_secrets_never_reach_mlflow_or_the_summary(tmp_path):
                      "+launcher.additional_parameters.api_token=s3cr3tvalue",
                      "+launcher.additional_parameters.x=https://u:t0kenvalue@h")
     assert result.returncode == 0, result.stderr
-    written = [tmp_path / "outputs" / "mlflow.db", tmp_path / "secret" / "summary.json",
-               *(tmp_path / "outputs" / "mlartifacts").rglob("*")]
+    sweep = run_cli(tmp_path, "-m", "experiment=smoke", "nodes=1", "only=[lr_find]", "hydra.sweep.dir=sweep",
+                    "tracking=none", "+launcher.additional_parameters.api_token=s3cr3tvalue,an0thers3cr3t")
+    assert sweep.returncode == 0, sweep.stderr
+    assert "api_token: '***'" in (tmp_path / "secret" / "config.yaml").read_text()
+    assert not (tmp_path / "secret" / ".hydra").exists()
+    # Everything the tool wrote: MLflow, run dirs (config, logs, task files), the sweep's files.
+    written = [tmp_path / "outputs" / "mlflow.db", *(tmp_path / "outputs" / "mlartifacts").rglob("*"),
+               *(tmp_path / "secret").rglob("*"), *(tmp_path / "sweep").rglob("*")]
+    assert (tmp_path / "sweep" / "multirun.yaml") in written
+    for path in [*written, *(p.parent for p in written)]:
+        assert "s3cr3t" not in str(path) and "t0kenvalue" not in str(path), path
     for path in written:
         if path.is_file():
             blob = path.read_bytes()
-            assert b"s3cr3tvalue" not in blob and b"t0kenvalue" not in blob, path
+            assert b"s3cr3t" not in blob and b"t0kenvalue" not in blob, path
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/outputs/mlflow.db")
