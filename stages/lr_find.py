@@ -19,7 +19,7 @@ from training.config import DataConfig, LrFindConfig, ModelConfig
 from training.data import GlobalBatches
 from training.lr_finder import range_test, scale_lr, suggest
 from training.models import loss_fn
-from training.parallel.compose import resolve_dims
+from training.parallel.dims import resolve_dims
 
 
 @dataclass(frozen=True)

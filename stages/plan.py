@@ -39,7 +39,7 @@ from training.dist import synchronize
 from training.flops import flops_per_sample
 from training.memory import AuditRow, device_memory_bytes, measure_step, memory_audit
 from training.models import loss_fn, tokens_per_sample
-from training.parallel.compose import resolve_dims
+from training.parallel.dims import resolve_dims
 
 GIB = 1024**3
 TIMED_STEPS = 5

@@ -20,16 +20,13 @@ import torch
 from stages.common import log, progress, workbench
 from stages.lr_find import LrFindResult
 from stages.plan import PlanResult
-from training import checkpoint
 from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig
 from training.data import GlobalBatches
 from training.dist import gather_objects, rank
 from training.flops import peak_flops
-from training.loop import lr_lambda, train_loop
 from training.lr_finder import scale_lr
 from training.memory import StepProbe
 from training.models import logits_loss, tokens_per_sample
-from training.parallel.compose import build_optimizer, parallelize
 from training.profile import StepProfiler, TimeSplit
 from training.sysmetrics import SystemSample, SystemSampler, node_id, sample_metrics
 
@@ -222,6 +219,12 @@ def learning_rate(t: TrainConfig, lr_find: LrFindResult, global_batch: int) -> t
 
 def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: TrainResult | None,
         checkpoints: Path) -> TrainResult:
+    # Here, not at the top: FSDP, pipelining and dynamo cost ~1 s to import, and the driver
+    # imports this module for TrainResult on every invocation, a fully cached one included.
+    from training import checkpoint
+    from training.loop import lr_lambda, train_loop
+    from training.parallel.compose import build_optimizer, parallelize
+
     t = cfg.train
     strategy, auto = resolve_strategy(cfg.strategy, plan)
     bench = workbench(cfg.model, cfg.data, cfg.seed)

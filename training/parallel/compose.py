@@ -20,7 +20,7 @@ from training.config import StrategyConfig
 from training.dist import is_dist, rank, world_size
 from training.parallel.ac import apply_ac
 from training.parallel.ddp import BucketTimer, apply_ddp, time_buckets
-from training.parallel.dims import ParallelDims
+from training.parallel.dims import ParallelDims, resolve_dims  # noqa: F401 - re-exported
 from training.parallel.fsdp import apply_fsdp
 from training.parallel.pp import apply_pp, build_schedule, is_first, is_last
 from training.parallel.tp import apply_tp
@@ -53,11 +53,6 @@ class Parallel:
     def loss_owners(self) -> int:
         """Ranks that compute a loss each step (the last pipeline stage of every replica)."""
         return self.dims.world_size // self.dims.pp
-
-
-def resolve_dims(strategy: StrategyConfig, world: int) -> ParallelDims:
-    d = strategy.degrees()
-    return ParallelDims.resolve(d["dp_replicate"], d["dp_shard"], d["tp"], d["pp"], world)
 
 
 def parallelize(model: nn.Module, strategy: StrategyConfig, dev: torch.device, logits_loss: LogitsLoss,

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from training.config import StrategyConfig
+
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
@@ -92,3 +94,9 @@ class ParallelDims:
             rest //= size
         out["dp"] = out["dp_replicate"] * self.dp_shard + out["dp_shard"]
         return out
+
+
+def resolve_dims(strategy: StrategyConfig, world: int) -> ParallelDims:
+    """A strategy's degrees on `world` ranks (shapes only: no process group, no torch)."""
+    d = strategy.degrees()
+    return ParallelDims.resolve(d["dp_replicate"], d["dp_shard"], d["tp"], d["pp"], world)
