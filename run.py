@@ -46,17 +46,18 @@ def app(dcfg: DictConfig) -> None:
             return
         hydra_cfg = HydraConfig.get()
         output_dir = Path(hydra_cfg.runtime.output_dir)
+        overrides = list(hydra_cfg.overrides.task)
+        if cfg.study is None and hydra_cfg.mode == RunMode.MULTIRUN:
+            # A sweep is a study: its jobs share the id of their sweep dir.
+            cfg = dataclasses.replace(cfg, study=study_id_for(Path(hydra_cfg.sweep.dir).resolve()))
+            overrides.append(f"study={cfg.study}")  # a batch job (submit_only) reruns these
+        write_run_config(output_dir, cfg, overrides)
         if cfg.launcher.submit_only:
             from pipelines.launchers.slurm_batch import submit_pipeline
 
-            write_run_config(output_dir, cfg, list(hydra_cfg.overrides.task))
-            print(submit_pipeline(cfg, output_dir, list(hydra_cfg.overrides.task)))
+            print(submit_pipeline(cfg, output_dir, overrides))
             EXIT_CODES.append(0)
             return
-        if cfg.study is None and hydra_cfg.mode == RunMode.MULTIRUN:
-            # A sweep is a study: its jobs share the id of their sweep dir.
-            cfg = dataclasses.replace(cfg, study=study_id_for(output_dir.parent))
-        write_run_config(output_dir, cfg, list(hydra_cfg.overrides.task))
         summary = run_pipeline(cfg, output_dir)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

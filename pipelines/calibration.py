@@ -33,8 +33,10 @@ def calibration_key(cfg: Any) -> str:
         "batch": [cfg.train.micro_batch, cfg.train.global_batch, cfg.train.grad_accum],
         "launcher": [cfg.launcher.name, cfg.launcher.partition, cfg.launcher.address],
         "procs_per_node": cfg.procs_per_node,
-        # A measured cluster is this machine: its name and size say which one.
-        "host": [socket.gethostname(), os.cpu_count()] if cfg.cluster.measured else None,
+        # launcher=local measures this machine: its name and size say which one. Ray and Slurm
+        # drivers move between hosts; their cluster is named by the launcher fields above.
+        "host": [socket.gethostname(), os.cpu_count()] if cfg.cluster.measured and cfg.launcher.name == "local"
+        else None,
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -54,13 +56,14 @@ def measured_step(summary: dict[str, Any]) -> MeasuredStep | None:
                         match["bubble_s"], t["step_time_s"])
 
 
-def history_from_mlflow(client: Any, experiment_id: str, key: str, limit: int = 200) -> list[MeasuredStep]:
-    """Measured steps of finished invocations tagged with `key`, newest first, one per distinct
-    measurement (a re-run that was all cached repeats its first run's)."""
+def history_from_mlflow(client: Any, experiment_id: str, key: str, limit: int = 500) -> list[MeasuredStep]:
+    """The first measured step of each (strategy, devices) among finished invocations tagged with
+    `key`, in a fixed order. First, not latest: the history must settle, or every re-run would
+    see a new history, re-plan, and so retrain (train is keyed on the plan's result)."""
     runs = client.search_runs([experiment_id], f"tags.kind = 'invocation' AND tags.calibration_key = '{key}' "
                               "AND attributes.status = 'FINISHED'", max_results=limit,
-                              order_by=["attributes.start_time DESC"])
-    steps: dict[tuple[str, int, float], MeasuredStep] = {}
+                              order_by=["attributes.start_time ASC"])
+    steps: dict[tuple[str, int], MeasuredStep] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, run in enumerate(runs):
             try:
@@ -69,5 +72,5 @@ def history_from_mlflow(client: Any, experiment_id: str, key: str, limit: int = 
                 continue
             step = measured_step(json.loads(Path(path).read_text()))
             if step is not None:
-                steps.setdefault((step.strategy, step.devices, step.measured_step_s), step)
-    return list(steps.values())
+                steps.setdefault((step.strategy, step.devices), step)
+    return [steps[k] for k in sorted(steps)]

@@ -96,6 +96,8 @@ class Runner:
                     outcome = self._stage(stage, summary.stages, force=name in forced)
                 summary.stages[name] = outcome
                 self._log(stage, outcome)
+                if not stage.spec.cache and outcome.entry is not None:
+                    self.cache.discard(outcome.entry.artifacts.parent)
                 self.echo(f"[{index}/{len(self.dag.order)}] {name}: {_describe(outcome)}")
         except KeyboardInterrupt:
             running = next((n for n in self.dag.order if n not in summary.stages), None)
@@ -119,7 +121,7 @@ class Runner:
         kwargs = {n: done[n].result for n in stage.spec.needs}
         upstream = {n: digest(done[n].result) for n in stage.spec.needs}
         if stage.wants_history:
-            kwargs["history"] = self.tracker.history(calibration_key(self.cfg)) if stage.spec.history else []
+            kwargs["history"] = self._history() if stage.spec.history else []
             upstream["history"] = digest(kwargs["history"])
         baseline_info = None
         world = self._world_of(stage)
@@ -138,6 +140,15 @@ class Runner:
         outcome.baseline = baseline_info
         return outcome
 
+    def _history(self) -> list:
+        """Earlier runs for calibration; a store that can't answer now means none, not a crash."""
+        try:
+            return self.tracker.history(calibration_key(self.cfg))
+        except Exception as err:  # noqa: BLE001 - any MLflow failure
+            self.echo(f"warning: no calibration history ({type(err).__name__}: {redact_text(str(err))[:200]}); "
+                      "planning uncalibrated")
+            return []
+
     def _world_of(self, stage: Stage) -> WorldSpec:
         if stage.spec.resources == "world":
             return self.world
@@ -146,8 +157,6 @@ class Runner:
     def _run_or_load(self, stage, inputs, kwargs, upstream, world: WorldSpec, force: bool, variant: str | None) -> Outcome:
         name = f"{stage.name}-{variant}" if variant else stage.name
         extra = {"world": [world.nodes, world.procs_per_node]} if stage.spec.resources == "world" else {}
-        if not stage.spec.cache:  # an entry of its own per invocation, never another's
-            extra["invocation"] = str(self.run_dir)
         key = stage_key(name, stage.spec.fn, inputs, upstream, extra)
         entry = None if force or not stage.spec.cache else self.cache.load(name, key, stage.result_type)
         if entry is not None:
@@ -172,6 +181,9 @@ class Runner:
             return Outcome("failed", time.perf_counter() - start, key, error=str(err))
         seconds = time.perf_counter() - start
         metrics = list(result.metrics()) if hasattr(result, "metrics") else []
+        if not stage.spec.cache:  # logged and published from staging, then discarded (Runner.run)
+            return Outcome("ran", seconds, key, result=result, entry=Entry(key, result, metrics, seconds,
+                                                                           staging / "artifacts"))
         entry = self.cache.commit(staging, name, key, result, metrics, seconds)
         self.cache.discard(checkpoints)  # the result is stored: nothing left to resume
         return Outcome("ran", seconds, key, result=result, entry=entry)
@@ -184,7 +196,7 @@ class Runner:
         try:
             return run_task(task)
         except Exception as err:  # noqa: BLE001 - a stage's failure is reported, not raised
-            (Path(task.workdir) / "driver.log").write_text(traceback.format_exc())
+            (Path(task.workdir) / "driver.log").write_text(redact_text(traceback.format_exc()))
             raise StageFailed(f"{type(err).__name__}: {err} (traceback: {task.workdir}/driver.log)") from err
 
     def _log(self, stage: Stage, outcome: Outcome) -> None:

@@ -49,7 +49,7 @@ class StageSpec:
     as its `baseline` argument; `train` uses it for scaling efficiency."""
     cache: bool = True
     """False for a stage whose inputs lie outside the config (compare reads MLflow): it runs
-    every time and its result is not stored."""
+    every time and its result is not stored (only logged, and published to the run dir)."""
     publish: str | None = None
     """A folder of the run dir to copy the stage's artifacts to (report -> report/)."""
     history: bool = False

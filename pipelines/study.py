@@ -47,16 +47,20 @@ def find_study(uri: str, study: str) -> tuple[list[Any], str]:
     invocation run of the experiment named `study`. Raises ConfigError when neither exists."""
     from mlflow.entities import ViewType
 
-    from pipelines.tracking import sqlite_path
+    from pipelines.redact import redact_text
+    from pipelines.tracking import _check_server, sqlite_path
 
     db = sqlite_path(uri)
     if db is not None and not db.is_file():  # opening it would create an empty store
         raise ConfigError("tracking.uri", uri, f"has no MLflow database at {db}: no study to compare")
+    if uri.startswith(("http://", "https://")):
+        _check_server(uri)  # seconds, not MLflow's minutes of retries
     client = _client(uri)
     try:
         experiments = client.search_experiments(view_type=ViewType.ACTIVE_ONLY)
     except Exception as err:  # noqa: BLE001 - any backend failure is the user's URI
-        raise ConfigError("tracking.uri", uri, f"is not a reachable MLflow store ({str(err).splitlines()[0][:200]})") from None
+        reason = redact_text(str(err).splitlines()[0][:200])
+        raise ConfigError("tracking.uri", redact_text(uri), f"is not a reachable MLflow store ({reason})") from None
     ids = [e.experiment_id for e in experiments]
     runs = _search(client, ids, f"tags.kind = 'invocation' AND tags.study = '{study}'") if ids else []
     if runs:
@@ -127,7 +131,16 @@ class StudyReportCallback(Callback):
                 print(f"study: no invocation of {sweep_dir} finished; no study report", file=sys.stderr)
                 return
             study = next(s["run"]["study"] for s in summaries if s.get("run", {}).get("study"))
-            report = write_study_report(runs, sweep_dir / REPORT_DIR, study, f"sweep dir {sweep_dir}")
+            source = f"sweep dir {sweep_dir}"
+            if config.tracking.name == "mlflow":
+                # The whole study, not just this sweep: `study=<id>` may gather several sweeps,
+                # and the report logged to its parent run must cover them all.
+                try:
+                    summaries, source = summaries_from_mlflow(config.tracking.uri, study)
+                    runs = [r for r in map(StudyRun.from_summary, summaries) if r is not None]
+                except ConfigError as err:
+                    print(f"warning: study report from the sweep dir only: {err}", file=sys.stderr)
+            report = write_study_report(runs, sweep_dir / REPORT_DIR, study, source)
             print(report.text())
             print(f"study report: {sweep_dir / REPORT_DIR / 'report.html'}")
             if config.tracking.name == "mlflow":

@@ -78,7 +78,7 @@ class MlflowTracker:
 
         self.cfg = cfg
         self.run_id: str | None = None
-        db = sqlite_path(cfg.uri)
+        self.db = db = sqlite_path(cfg.uri)
         if db is not None:
             db.parent.mkdir(parents=True, exist_ok=True)
         elif cfg.uri.startswith(("http://", "https://")):
@@ -111,9 +111,13 @@ class MlflowTracker:
         Invocations of a sweep may ask at once: each that created one looks again, and all keep
         the oldest (ties by run id); a loser deletes its own, so exactly one remains.
         """
-        found = study_runs(self.client, [self.experiment_id], study)
-        if found:
-            return found[0].info.run_id
+        with _schema_lock(self.db):  # sqlite: one invocation at a time finds or creates it
+            found = study_runs(self.client, [self.experiment_id], study)
+            if found:
+                return found[0].info.run_id
+            return self._create_study_run(study)
+
+    def _create_study_run(self, study: str) -> str:
         mine = self.client.create_run(self.experiment_id, run_name=f"study {study}",
                                       tags={"kind": "study", "study": study}).info.run_id
         self.client.set_terminated(mine, "FINISHED")

@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 GIB = 1024**3
+POINT_FACTS = ("pipeline", "strategy", "nodes", "procs_per_node", "world_size", "global_batch", "model", "data",
+               "cluster", "launcher")
+"""What makes two invocations the same point of a study (the run block minus ids, seed and time)."""
 COLUMNS = ("strategy", "nodes", "devices", "samples/s", "samples/s/device", "efficiency", "MFU %",
            "peak GiB/device", "final loss", "step-time error %", "status")
 
@@ -37,13 +40,18 @@ class StudyRun:
     mlflow_run_id: str | None
     stages: dict[str, Any] = field(repr=False)
     """Each stage's result (None where it produced none)."""
+    facts: dict[str, Any] = field(default_factory=dict, repr=False)
+    """The run block's POINT_FACTS: runs with equal facts are one point of the study."""
 
     @classmethod
     def from_summary(cls, data: dict[str, Any]) -> StudyRun | None:
         """None for a summary that is not a study point (no `run` block, or no train stage)."""
         run = data.get("run")
-        if not run or "train" not in data.get("stages", {}):  # compare, what-if plans: no study point
+        train_stage = data.get("stages", {}).get("train")
+        if not run or train_stage is None:  # compare, what-if plans: no study point
             return None
+        if train_stage.get("status") == "skipped" and "only=" in (train_stage.get("error") or ""):
+            return None  # only=[plan] and the like: the invocation chose not to train
         stages = {name: s.get("result") for name, s in data.get("stages", {}).items()}
         failed = next((n for n, s in data.get("stages", {}).items() if s.get("status") == "failed"), None)
         train = stages.get("train") or {}
@@ -57,6 +65,7 @@ class StudyRun:
             finished_at=float(run.get("finished_at") or 0.0),
             mlflow_run_id=data.get("mlflow_run_id"),
             stages=stages,
+            facts={k: run.get(k) for k in POINT_FACTS},
         )
 
     @property
@@ -65,19 +74,34 @@ class StudyRun:
 
 
 def latest_per_point(runs: list[StudyRun]) -> list[StudyRun]:
-    """One run per (strategy, nodes, procs_per_node): the last to finish (a re-run replaces a
-    failed point), ordered by strategy and devices."""
-    best: dict[tuple[str, int, int], StudyRun] = {}
+    """One run per point (equal facts; strategy=auto counts as what it trained): the last to
+    finish with a train result, else the last (a re-run replaces a failed point, a later failure
+    doesn't hide a success). Ordered by strategy and devices."""
+    best: dict[str, StudyRun] = {}
     for run in runs:
-        key = (run.strategy, run.nodes, run.procs_per_node)
-        if key not in best or run.finished_at > best[key].finished_at:
+        key = repr(sorted({**run.facts, "strategy": run.strategy}.items()))
+        held = best.get(key)
+        if held is None or (bool(run.train), run.finished_at) > (bool(held.train), held.finished_at):
             best[key] = run
-    return sorted(best.values(), key=lambda r: (r.strategy, r.world_size, r.nodes))
+    return sorted(best.values(), key=lambda r: (r.strategy, r.world_size, r.nodes, repr(sorted(r.facts.items()))))
+
+
+def varying_facts(runs: list[StudyRun]) -> list[str]:
+    """Facts that differ between runs of the same strategy and size (model, batch, cluster ...):
+    the table shows them, or those rows would look alike. (The global batch of a weak-scaling
+    study grows with the size; that alone is no variant.)"""
+    groups: dict[tuple[str, int, int], list[StudyRun]] = {}
+    for run in runs:
+        groups.setdefault((run.strategy, run.nodes, run.procs_per_node), []).append(run)
+    return [k for k in POINT_FACTS
+            if any(len({repr(r.facts.get(k)) for r in group}) > 1 for group in groups.values())]
 
 
 def table_rows(runs: list[StudyRun]) -> list[dict[str, Any]]:
-    """The study table: strategy x nodes -> the numbers users compare."""
+    """The study table: strategy x nodes -> the numbers users compare (plus a `variant` column
+    when runs differ in more than strategy and size)."""
     rows = []
+    varying = varying_facts(runs)
     for run in runs:
         t = run.train or {}
         prediction = t.get("prediction") or {}
@@ -94,7 +118,13 @@ def table_rows(runs: list[StudyRun]) -> list[dict[str, Any]]:
             "step-time error %": prediction.get("step_time_error_pct"),
             "status": run.status,
         })
+        if varying:
+            rows[-1]["variant"] = " ".join(f"{k}={run.facts.get(k)}" for k in varying)
     return rows
+
+
+def columns(rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    return (*COLUMNS, "variant") if any("variant" in r for r in rows) else COLUMNS
 
 
 def _cell(value: Any) -> str:
@@ -107,16 +137,18 @@ def _cell(value: Any) -> str:
 
 def table_text(rows: list[dict[str, Any]]) -> str:
     """The table as aligned plain text, for the terminal."""
-    cells = [list(COLUMNS)] + [[_cell(r[c]) for c in COLUMNS] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    cols = columns(rows)
+    cells = [list(cols)] + [[_cell(r[c]) for c in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
     lines.insert(1, "-" * max(len(line) for line in lines))
     return "\n".join(lines)
 
 
 def table_markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(r[c]) for c in COLUMNS) + " |" for r in rows]
+    cols = columns(rows)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_cell(r[c]) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -354,8 +386,9 @@ def _html(study: str, source: str, stamp: str, rows: list[dict[str, Any]], plots
           out: Path, runs: list[StudyRun]) -> str:
     """One page with no outside references: styles inline, plots as data: URIs, no scripts."""
     esc = html.escape
-    head = "".join(f"<th>{esc(c)}</th>" for c in COLUMNS)
-    body = "".join("<tr>" + "".join(f"<td>{esc(_cell(r[c]))}</td>" for c in COLUMNS) + "</tr>" for r in rows)
+    cols = columns(rows)
+    head = "".join(f"<th>{esc(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{esc(_cell(r[c]))}</td>" for c in cols) + "</tr>" for r in rows)
     figures = "".join(
         f'<figure><img alt="{esc(title)}" src="data:image/png;base64,'
         f'{base64.b64encode((out / name).read_bytes()).decode()}"><figcaption>{esc(title)}</figcaption></figure>'

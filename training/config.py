@@ -203,7 +203,7 @@ class TrainConfig:
     peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU; null uses the known datasheet value for the GPU, or
     reports no MFU (CPUs have no reliable peak)."""
-    system_metrics_s: float = 1.0
+    system_metrics_s: float = 10.0
     """Seconds between per-node system metric samples (CPU, memory, GPU memory) during the run,
     logged as MLflow's system/<node id>/... metrics; 0 disables."""
 

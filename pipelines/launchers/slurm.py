@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,9 @@ class SlurmTask(submitit.helpers.Checkpointable):
     def __init__(self, task: Task, backend: str, timeout_s: float, distributed: bool, max_requeues: int):
         self.task, self.backend, self.timeout_s = task, backend, timeout_s
         self.distributed, self.max_requeues = distributed, max_requeues
+        # Names this submission's rendezvous file: job ids repeat (a reset cluster, a reused run
+        # dir), and a peer must never read an earlier job's port.
+        self.nonce = uuid.uuid4().hex[:12]
 
     def __call__(self) -> Any:
         # After a requeue the ranks other than 0 left the result pickle of their failed first
@@ -100,7 +104,7 @@ class SlurmTask(submitit.helpers.Checkpointable):
         env = submitit.JobEnvironment()
         timeout = datetime.timedelta(seconds=self.timeout_s)
         restart = os.environ.get("SLURM_RESTART_COUNT", "0")  # a requeued attempt gets a new store
-        port_file = Path(env.paths.folder) / f"{env.job_id}.restart{restart}.port"
+        port_file = Path(env.paths.folder) / f"{env.job_id}.{self.nonce}.restart{restart}.port"
         host, world_size = os.environ["MASTER_ADDR"], int(os.environ["WORLD_SIZE"])
         if env.global_rank == 0:
             store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout,

@@ -205,3 +205,9 @@ def test_calibrate_refines_the_plan_from_the_studys_runs(study):
     p = next(p for p in plan["result"]["predictions"] if p["strategy"] == "zero3" and p["devices"] == 2)
     raw = p["compute_s"] + p["exposed_comm_s"] + p["bubble_s"]
     assert abs(p["step_time_s"] - measured) < abs(raw - measured)
+    # No new measurement, the same history: the plan settles and is served from the cache.
+    again = run_cli(study["dir"], "experiment=smoke", "strategy=zero3", "nodes=2", "plan.calibrate=true",
+                    "only=[plan]", "hydra.run.dir=calibrated-again")
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = json.loads((study["dir"] / "calibrated-again" / "summary.json").read_text())
+    assert summary["stages"]["plan"]["status"] == "cached"

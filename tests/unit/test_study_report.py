@@ -38,3 +38,23 @@ def test_summaries_without_a_train_stage_are_not_study_points():
     compare = {"run": {"pipeline": "compare"}, "stages": {"compare": {"status": "ran"}}, "ok": True}
     assert StudyRun.from_summary(compare) is None
     assert StudyRun.from_summary({"stages": {}}) is None
+
+
+def test_a_later_failure_does_not_hide_an_earlier_success():
+    runs = [StudyRun.from_summary(summary("ddp", 2, 1.0)), StudyRun.from_summary(summary("ddp", 2, 5.0, ok=False))]
+    (row,) = table_rows(latest_per_point(runs))
+    assert row["status"] == "ok" and row["samples/s"] == 100.0
+
+
+def test_runs_that_differ_in_more_than_strategy_and_size_are_separate_rows_with_a_variant():
+    small, large = summary("ddp", 2, 1.0), summary("ddp", 2, 2.0)
+    small["run"]["global_batch"], large["run"]["global_batch"] = 16, 64
+    rows = table_rows(latest_per_point([StudyRun.from_summary(small), StudyRun.from_summary(large)]))
+    assert [r["variant"] for r in rows] == ["global_batch=16", "global_batch=64"]
+    assert "variant" in table_text(rows).splitlines()[0]
+
+
+def test_an_invocation_that_chose_not_to_train_is_no_study_point():
+    planned = summary("ddp", 2, 9.0)
+    planned["stages"]["train"] = {"status": "skipped", "error": "not selected by only=[...]", "result": None}
+    assert StudyRun.from_summary(planned) is None
