@@ -158,13 +158,15 @@ def bench_launchers() -> list[Row]:
 
 def bench_planner() -> list[Row]:
     """7. The plan's predicted step time and memory vs the measured ones, ddp and zero3 at world 1, 2, 4:
-    first the model alone, then with plan.calibrate=true refining it from the first pass's runs."""
+    each point runs with the model alone, then at once with plan.calibrate=true refining it from
+    every run made so far (this one's included: the study's own history). Back to back, because
+    this machine's speed drifts over minutes (README)."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for calibrate in ("false", "true"):
-            label = "calibrated" if calibrate == "true" else "model"
-            for strategy in ("ddp", "zero3"):
-                for nodes in (1, 2, 4):
+        for strategy in ("ddp", "zero3"):
+            for nodes in (1, 2, 4):
+                for calibrate in ("false", "true"):
+                    label = "calibrated" if calibrate == "true" else "model"
                     name = f"{strategy}{nodes}-{label}"
                     _cli(Path(tmp), f"strategy={strategy}", f"nodes={nodes}", "train.steps=60",
                          "bandwidth.max_bytes=16777216", f"plan.calibrate={calibrate}", f"hydra.run.dir={name}")
