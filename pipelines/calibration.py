@@ -13,12 +13,11 @@ import hashlib
 import json
 import os
 import socket
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from pipelines.configtools import to_jsonable
-from training.costmodel import MeasuredStep
+from pipelines.tracking import run_summaries
+from training.costmodel import MeasuredStep, StepPrediction
 
 
 def calibration_key(cfg: Any) -> str:
@@ -52,8 +51,8 @@ def measured_step(summary: dict[str, Any]) -> MeasuredStep | None:
                   if x["strategy"] == t["strategy"] and x["devices"] == t["world_size"] and "compute_s" in x), None)
     if match is None:
         return None
-    return MeasuredStep(t["strategy"], t["world_size"], match["compute_s"], match["exposed_comm_s"],
-                        match["bubble_s"], t["step_time_s"])
+    predicted = StepPrediction(match["compute_s"], match["exposed_comm_s"], match["bubble_s"])
+    return MeasuredStep(t["strategy"], t["world_size"], predicted, t["step_time_s"])
 
 
 def history_from_mlflow(client: Any, experiment_id: str, key: str, limit: int = 500) -> list[MeasuredStep]:
@@ -64,13 +63,8 @@ def history_from_mlflow(client: Any, experiment_id: str, key: str, limit: int = 
                               "AND attributes.status = 'FINISHED'", max_results=limit,
                               order_by=["attributes.start_time ASC"])
     steps: dict[tuple[str, int], MeasuredStep] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, run in enumerate(runs):
-            try:
-                path = client.download_artifacts(run.info.run_id, "summary.json", str(Path(tmp) / str(i)))
-            except Exception:  # noqa: BLE001 - a run without its summary has nothing to offer
-                continue
-            step = measured_step(json.loads(Path(path).read_text()))
-            if step is not None:
-                steps.setdefault((step.strategy, step.devices), step)
+    for summary in run_summaries(client, runs):
+        step = measured_step(summary)
+        if step is not None:
+            steps.setdefault((step.strategy, step.devices), step)
     return [steps[k] for k in sorted(steps)]

@@ -23,9 +23,9 @@ from pipelines.launchers.worker import run_task
 from pipelines.progress import StageProgress, progress_file
 from pipelines.redact import redact_mapping, redact_text
 from pipelines.schema import Config
-from pipelines.tracking import Tracker, git_commit, make_tracker
+from pipelines.tracking import SUMMARY_ARTIFACT, Tracker, git_commit, make_tracker
 
-SUMMARY = "summary.json"
+SUMMARY = SUMMARY_ARTIFACT  # the run dir's file is the one logged at the root of its MLflow run
 
 
 @dataclass
@@ -251,11 +251,10 @@ def _describe(outcome: Outcome) -> str:
 
 def global_batch(cfg: Config) -> int:
     """Samples per optimizer step of the scaled run: micro-batch x grad_accum x data-parallel size."""
-    from training.parallel.dims import ParallelDims
+    from training.parallel.dims import resolve_dims
 
-    d = cfg.strategy.degrees()
-    dims = ParallelDims.resolve(d["dp_replicate"], d["dp_shard"], d["tp"], d["pp"], cfg.nodes * cfg.procs_per_node)
-    return cfg.train.micro_batch_for(dims.dp_size) * cfg.train.grad_accum * dims.dp_size
+    dp = resolve_dims(cfg.strategy, cfg.nodes * cfg.procs_per_node).dp_size
+    return cfg.train.micro_batch_for(dp) * cfg.train.grad_accum * dp
 
 
 def run_facts(cfg: Config) -> dict[str, Any]:

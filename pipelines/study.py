@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,9 @@ def study_id_for(sweep_dir: str | Path) -> str:
 def summaries_from_sweep(sweep_dir: Path) -> list[dict[str, Any]]:
     """The summary.json of every job of a sweep (jobs that failed before running have none)."""
     # rglob: an override holding a path (cache_dir=/x/y) nests the job's subdir.
-    return [json.loads(p.read_text()) for p in sorted(sweep_dir.rglob("summary.json"))]
+    from pipelines.tracking import SUMMARY_ARTIFACT
+
+    return [json.loads(p.read_text()) for p in sorted(sweep_dir.rglob(SUMMARY_ARTIFACT))]
 
 
 def _client(uri: str) -> Any:
@@ -48,13 +49,13 @@ def find_study(uri: str, study: str) -> tuple[list[Any], str]:
     from mlflow.entities import ViewType
 
     from pipelines.redact import redact_text
-    from pipelines.tracking import _check_server, sqlite_path
+    from pipelines.tracking import check_server, sqlite_path
 
     db = sqlite_path(uri)
     if db is not None and not db.is_file():  # opening it would create an empty store
         raise ConfigError("tracking.uri", uri, f"has no MLflow database at {db}: no study to compare")
     if uri.startswith(("http://", "https://")):
-        _check_server(uri)  # seconds, not MLflow's minutes of retries
+        check_server(uri)  # seconds, not MLflow's minutes of retries
     client = _client(uri)
     try:
         experiments = client.search_experiments(view_type=ViewType.ACTIVE_ONLY)
@@ -86,19 +87,10 @@ def _search(client: Any, experiment_ids: list[str], query: str) -> list[Any]:
 
 def summaries_from_mlflow(uri: str, study: str) -> tuple[list[dict[str, Any]], str]:
     """Each invocation's summary.json as logged to its MLflow run, and where they came from."""
+    from pipelines.tracking import run_summaries
+
     runs, source = find_study(uri, study)
-    client = _client(uri)
-    summaries = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, run in enumerate(runs):
-            dst = Path(tmp) / str(i)
-            dst.mkdir()
-            try:
-                path = client.download_artifacts(run.info.run_id, "summary.json", str(dst))
-            except Exception:  # noqa: BLE001 - a run killed before it finished has no summary
-                continue
-            summaries.append(json.loads(Path(path).read_text()))
-    return summaries, f"{source} at {_redacted(uri)}"
+    return run_summaries(_client(uri), runs), f"{source} at {_redacted(uri)}"
 
 
 def _redacted(uri: str) -> str:

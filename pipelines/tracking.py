@@ -20,6 +20,8 @@ from pipelines.schema import TrackingConfig
 from training.config import ConfigError
 
 BATCH = 1000
+SUMMARY_ARTIFACT = "summary.json"
+"""Each invocation logs its summary.json at the root of its run (compare and calibrate read it)."""
 PARAM_MAX = 500
 
 
@@ -82,7 +84,7 @@ class MlflowTracker:
         if db is not None:
             db.parent.mkdir(parents=True, exist_ok=True)
         elif cfg.uri.startswith(("http://", "https://")):
-            _check_server(cfg.uri)
+            check_server(cfg.uri)
         with _schema_lock(db):
             # The first client call on a new sqlite file migrates its schema; concurrent first
             # calls can corrupt it for good (FACTS.md), hence the file lock around it.
@@ -174,6 +176,25 @@ class MlflowTracker:
             self.client.log_batch(run_id, metrics=metric_list[i : i + BATCH])
 
 
+def run_summaries(client: Any, runs: list[Any]) -> list[dict[str, Any]]:
+    """The summary.json each invocation logged to its run, in the runs' order; a run killed
+    before it finished has none and is left out."""
+    import json
+    import tempfile
+
+    summaries = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, run in enumerate(runs):
+            dst = Path(tmp) / str(i)
+            dst.mkdir()
+            try:
+                path = client.download_artifacts(run.info.run_id, SUMMARY_ARTIFACT, str(dst))
+            except Exception:  # noqa: BLE001 - any missing or unreadable artifact
+                continue
+            summaries.append(json.loads(Path(path).read_text()))
+    return summaries
+
+
 def study_runs(client: Any, experiment_ids: list[str], study: str) -> list[Any]:
     """A study's parent runs, oldest first (one, unless a race is being settled)."""
     runs = client.search_runs(experiment_ids, f"tags.kind = 'study' AND tags.study = '{study}'",
@@ -181,7 +202,7 @@ def study_runs(client: Any, experiment_ids: list[str], study: str) -> list[Any]:
     return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
 
 
-def _check_server(uri: str, timeout_s: float = 5.0) -> None:
+def check_server(uri: str, timeout_s: float = 5.0) -> None:
     """Fail in seconds on a server that doesn't answer (MLflow's own client retries for minutes)."""
     import urllib.error
     import urllib.request

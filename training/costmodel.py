@@ -341,14 +341,9 @@ class MeasuredStep:
 
     strategy: str
     devices: int
-    compute_s: float
-    exposed_comm_s: float
-    bubble_s: float
+    predicted: StepPrediction
+    """The model's components for that run, uncalibrated."""
     measured_step_s: float
-
-    @property
-    def predicted_step_s(self) -> float:
-        return self.compute_s + self.exposed_comm_s + self.bubble_s
 
 
 @dataclass(frozen=True)
@@ -366,9 +361,9 @@ class Calibration:
     error_after_pct: float
     """The same, calibrated (in-sample: the fit's own points)."""
 
-    def step_s(self, strategy: str, compute_s: float, exposed_comm_s: float, bubble_s: float) -> float:
+    def step_s(self, strategy: str, step: StepPrediction) -> float:
         comm = self.comm_scale.get(strategy, self.default_comm_scale)
-        return self.compute_scale * (compute_s + bubble_s) + comm * exposed_comm_s
+        return self.compute_scale * (step.compute_s + step.bubble_s) + comm * step.exposed_comm_s
 
     @property
     def default_comm_scale(self) -> float:
@@ -387,16 +382,16 @@ def fit_calibration(points: list[MeasuredStep]) -> Calibration | None:
     points, with kc shared and km per strategy; scales are kept positive. None without points."""
     import numpy as np
 
-    points = [p for p in points if p.measured_step_s > 0 and p.predicted_step_s > 0]
+    points = [p for p in points if p.measured_step_s > 0 and p.predicted.step_s > 0]
     if not points:
         return None
-    comm_strategies = sorted({p.strategy for p in points if p.exposed_comm_s > 0})
+    comm_strategies = sorted({p.strategy for p in points if p.predicted.exposed_comm_s > 0})
     columns = ["compute", *comm_strategies]
     a = np.zeros((len(points), len(columns)))
     for i, p in enumerate(points):
-        a[i, 0] = (p.compute_s + p.bubble_s) / p.measured_step_s
-        if p.exposed_comm_s > 0:
-            a[i, columns.index(p.strategy)] = p.exposed_comm_s / p.measured_step_s
+        a[i, 0] = (p.predicted.compute_s + p.predicted.bubble_s) / p.measured_step_s
+        if p.predicted.exposed_comm_s > 0:
+            a[i, columns.index(p.strategy)] = p.predicted.exposed_comm_s / p.measured_step_s
     scales, *_ = np.linalg.lstsq(a, np.ones(len(points)), rcond=None)
     scales = np.clip(scales, 1e-3, None)  # a negative scale is noise, not physics
     calibration = Calibration(
@@ -413,8 +408,8 @@ def fit_calibration(points: list[MeasuredStep]) -> Calibration | None:
 
     return dataclasses.replace(
         calibration,
-        error_before_pct=median_error(lambda p: p.predicted_step_s),
-        error_after_pct=median_error(lambda p: calibration.step_s(p.strategy, p.compute_s, p.exposed_comm_s, p.bubble_s)),
+        error_before_pct=median_error(lambda p: p.predicted.step_s),
+        error_after_pct=median_error(lambda p: calibration.step_s(p.strategy, p.predicted)),
     )
 
 
@@ -460,7 +455,7 @@ def predict(w: Workload, hw: Hardware, strategy: str, devices: int, memory_limit
     step = step_time(compute, comm, d, w.microbatches, overlap)
     step_s = step.step_s
     if calibration is not None:
-        step_s = calibration.step_s(strategy, step.compute_s, step.exposed_comm_s, step.bubble_s)
+        step_s = calibration.step_s(strategy, step)
     samples_per_s = w.micro_batch * w.grad_accum * d.dp / step_s
     memory = memory_per_device(w, strategy, d)
     return Prediction(

@@ -107,27 +107,27 @@ def test_low_inter_node_bandwidth_steers_away_from_cross_node_tp(compose_cfg):
 
 
 def test_calibration_recovers_known_scales_and_leaves_unmeasured_strategies_at_the_median():
-    from training.costmodel import MeasuredStep, fit_calibration
+    from training.costmodel import MeasuredStep, StepPrediction, fit_calibration
 
     truth = {"compute": 1.3, "ddp": 2.0, "zero3": 4.5}
     points = []
     for strategy in ("ddp", "zero3"):
         for devices, compute, comm, bubble in ((1, 0.010, 0.0, 0.0), (2, 0.010, 0.002, 0.0), (4, 0.020, 0.003, 0.0)):
             measured = truth["compute"] * (compute + bubble) + truth[strategy] * comm
-            points.append(MeasuredStep(strategy, devices, compute, comm, bubble, measured))
+            points.append(MeasuredStep(strategy, devices, StepPrediction(compute, comm, bubble), measured))
     cal = fit_calibration(points)
     assert cal.points == 6
     assert cal.compute_scale == pytest.approx(1.3)
     assert cal.comm_scale == pytest.approx({"ddp": 2.0, "zero3": 4.5})
     assert cal.error_after_pct == pytest.approx(0.0, abs=1e-6) and cal.error_before_pct > 20
     # A strategy no run measured takes the middle of the fitted communication scales.
-    assert cal.step_s("tp", 0.01, 0.002, 0.0) == pytest.approx(1.3 * 0.01 + 4.5 * 0.002)
+    assert cal.step_s("tp", StepPrediction(0.01, 0.002, 0.0)) == pytest.approx(1.3 * 0.01 + 4.5 * 0.002)
     assert fit_calibration([]) is None
 
 
 def test_a_world_of_one_alone_calibrates_compute_only():
-    from training.costmodel import MeasuredStep, fit_calibration
+    from training.costmodel import MeasuredStep, StepPrediction, fit_calibration
 
-    cal = fit_calibration([MeasuredStep("ddp", 1, 0.010, 0.0, 0.0, 0.012)])
+    cal = fit_calibration([MeasuredStep("ddp", 1, StepPrediction(0.010, 0.0, 0.0), 0.012)])
     assert cal.compute_scale == pytest.approx(1.2) and cal.comm_scale == {}
-    assert cal.step_s("ddp", 0.010, 0.004, 0.0) == pytest.approx(0.012 + 0.004)
+    assert cal.step_s("ddp", StepPrediction(0.010, 0.004, 0.0)) == pytest.approx(0.012 + 0.004)
