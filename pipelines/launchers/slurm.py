@@ -13,8 +13,10 @@ distributed checkpoint. Job logs (one stdout/stderr pair per task) go to `<run_d
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -71,6 +73,11 @@ class SlurmTask(submitit.helpers.Checkpointable):
         setup_torch(store=self._rendezvous() if self.distributed else None)
         result = run_task(self.task)
         teardown_torch()
+        # Seen once in ~30 stage jobs: the job completed ("Exiting after successful completion"),
+        # then interpreter teardown aborted in a torch C++ destructor ("terminate called without
+        # an active exception") and Slurm marked the finished job FAILED. Once the stage has
+        # succeeded (submitit pickles the result before exiting), leave without that teardown.
+        atexit.register(_exit_after_success)
         return result if os.environ["RANK"] == "0" else None
 
     def _export_env(self) -> None:
@@ -130,6 +137,15 @@ class SlurmTask(submitit.helpers.Checkpointable):
         if int(os.environ.get("SLURM_RESTART_COUNT", "0")) >= self.max_requeues:
             return None
         return super().checkpoint(*args, **kwargs)
+
+
+def _exit_after_success() -> None:
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def job_parameters(cfg: LauncherConfig, world: WorldSpec, stage: str) -> dict[str, Any]:
