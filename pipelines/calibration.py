@@ -17,13 +17,15 @@ from typing import Any
 
 from pipelines.configtools import to_jsonable
 from pipelines.tracking import run_summaries
-from training.costmodel import MeasuredStep, StepPrediction
+from training.costmodel import COSTMODEL_VERSION, MeasuredStep, StepPrediction
 
 
 def calibration_key(cfg: Any) -> str:
     """The fingerprint of what the cost model's errors depend on (not the strategy or the world:
     those are what calibration generalises over)."""
     facts = {
+        # Components predicted by another version of the model can't be scaled like this one's.
+        "costmodel": COSTMODEL_VERSION,
         "model": to_jsonable(cfg.model),
         "data": to_jsonable(cfg.data),
         "cluster": to_jsonable(cfg.cluster),
@@ -48,10 +50,10 @@ def measured_step(summary: dict[str, Any]) -> MeasuredStep | None:
     if train.get("status") not in ("ran", "cached") or not t or not p:
         return None
     match = next((x for x in p.get("predictions", [])
-                  if x["strategy"] == t["strategy"] and x["devices"] == t["world_size"] and "compute_s" in x), None)
+                  if x["strategy"] == t["strategy"] and x["devices"] == t["world_size"] and "overhead_s" in x), None)
     if match is None:
         return None
-    predicted = StepPrediction(match["compute_s"], match["exposed_comm_s"], match["bubble_s"])
+    predicted = StepPrediction(match["compute_s"], match["exposed_comm_s"], match["bubble_s"], match["overhead_s"])
     return MeasuredStep(t["strategy"], t["world_size"], predicted, t["step_time_s"])
 
 

@@ -39,6 +39,7 @@ from training.dist import synchronize
 from training.flops import flops_per_sample
 from training.memory import AuditRow, device_memory_bytes, measure_step, memory_audit
 from training.models import loss_fn, tokens_per_sample
+from training.overhead import measure_overheads
 from training.parallel.dims import resolve_dims
 
 GIB = 1024**3
@@ -73,6 +74,10 @@ class Rulers:
     flops_per_sample: float
     step_compute_s: float
     """Median measured time of one micro-batch forward + backward + step on one device."""
+    strategy_overhead_s: dict[str, float]
+    """Per strategy: what its wrapper adds to that step, measured on a one-rank process group."""
+    overhead_not_measured: dict[str, str]
+    """Strategy -> why its overhead could not be measured (taken as none)."""
     threads: int
     """CPU threads the measurement ran with (the launcher gives every rank the same share)."""
     busbw_gbps: float | None
@@ -110,6 +115,7 @@ class PlanResult:
                 ("memory/device_gib", r.device_memory_bytes / GIB, 0),
                 ("plan/step_compute_ms", r.step_compute_s * 1e3, 0),
             ]
+            out += [(f"plan/overhead_ms/{k}", v * 1e3, 0) for k, v in sorted(r.strategy_overhead_s.items())]
         for p in self.predictions:
             out += [(f"plan/{p.strategy}/predicted_efficiency", p.scaling_efficiency, p.devices),
                     (f"plan/{p.strategy}/predicted_tokens_per_s", p.tokens_per_s, p.devices)]
@@ -185,6 +191,8 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:
     memory = measure_step(model, optimizer, lambda: step(zero=False), dev)
     optimizer.zero_grad(set_to_none=True)
     compute = _timed_steps(step)
+    overheads = measure_overheads(model, lambda net: loss_fn(net, x, y), list(cfg.plan.strategies), dev,
+                                  cfg.train.grad_clip, cfg.strategy.bucket_cap_mb)
     device_bytes = cfg.plan.device_memory_bytes or device_memory_bytes(dev, cfg.procs_per_node)
     return Rulers(
         params=sum(p.numel() for p in model.parameters()),
@@ -197,6 +205,8 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:
         device_memory_bytes=device_bytes,
         flops_per_sample=flops,
         step_compute_s=compute,
+        strategy_overhead_s=overheads.seconds,
+        overhead_not_measured=overheads.not_measured,
         threads=torch.get_num_threads(),
         busbw_gbps=bandwidth.largest_all_reduce_busbw_gbps,
         ruler_gbps=bandwidth.ruler_gbps,
@@ -220,6 +230,8 @@ def workload(cfg: PlanInputs, activation_bytes_per_sample: float | None) -> Work
         checkpointing=cfg.strategy.activation_checkpointing == "full",
         tokens_per_sample=tokens_per_sample(cfg.model),
         activation_bytes_per_sample=activation_bytes_per_sample,
+        bucket_cap_bytes=cfg.strategy.bucket_cap_mb * 1024**2,
+        clip=cfg.train.grad_clip is not None,
     )
 
 
@@ -233,8 +245,10 @@ def measured_links(bandwidth: BandwidthResult) -> dict[str, Link]:
     return links
 
 
-def preset_links(gbps: float, latency_us: float) -> dict[str, Link]:
-    return {"all_reduce": Link(alpha_s=latency_us * 1e-6, busbw_gbps=gbps, world=2)}
+def preset_links(gbps: float, latency_us: float, world: int) -> dict[str, Link]:
+    """A preset's published small-message latency is nccl-tests' at a full node (intra) or two
+    nodes (inter): the `world` the ring latency is scaled from."""
+    return {"all_reduce": Link(alpha_s=latency_us * 1e-6, busbw_gbps=gbps, world=world)}
 
 
 def hardware(cfg: PlanInputs, rulers: Rulers | None, bandwidth: BandwidthResult | None, micro: int) -> Hardware:
@@ -252,14 +266,15 @@ def hardware(cfg: PlanInputs, rulers: Rulers | None, bandwidth: BandwidthResult 
             seconds_per_sample=rulers.step_compute_s / micro,
             cores=(os.cpu_count() or 1) if cpu else None,
             threads_per_device=rulers.threads,
+            overhead_s=rulers.strategy_overhead_s,
         )
     flops = flops_for_whatif(cfg)
     per_sample = flops / (c.peak_flops * c.achievable_mfu)
     return Hardware(
         device_memory_bytes=c.device_memory_gib * GIB,
         devices_per_node=c.devices_per_node,
-        intra=preset_links(c.intra_node_gbps, c.intra_node_latency_us),
-        inter=preset_links(c.inter_node_gbps, c.inter_node_latency_us),
+        intra=preset_links(c.intra_node_gbps, c.intra_node_latency_us, max(c.devices_per_node, 2)),
+        inter=preset_links(c.inter_node_gbps, c.inter_node_latency_us, 2 * c.devices_per_node),
         seconds_per_sample=per_sample,
     )
 
@@ -332,6 +347,12 @@ def ruler_reasons(r: Rulers, cfg: PlanInputs, world: int) -> list[str]:
         )
     else:
         reasons.append(f"bandwidth: all_reduce busbw {r.busbw_gbps:.2f} GB/s >= {r.ruler_gbps:g} GB/s ruler")
+    if r.strategy_overhead_s or r.overhead_not_measured:
+        measured = ", ".join(f"{k} +{v * 1e3:.1f} ms" for k, v in sorted(r.strategy_overhead_s.items()))
+        missing = "; ".join(f"{k} not measured ({why})" for k, why in sorted(r.overhead_not_measured.items()))
+        reasons.append(f"overhead: each strategy's wrapper, measured on one rank, adds to the "
+                       f"{r.step_compute_s * 1e3:.1f} ms step: {measured or 'none measured'}"
+                       + (f"; {missing}" if missing else ""))
     micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
     density = r.flops_per_sample * micro * cfg.train.grad_accum / max(r.grad_bytes, 1)
     reasons.append(f"compute density: {r.flops_per_sample:.3g} FLOPs per sample, {density:.0f} FLOPs per gradient "

@@ -105,6 +105,7 @@ class TrainResult:
     samples_per_s_per_device: float
     tokens_per_s_per_device: float
     step_time_s: float
+    """The median timed step (samples_per_s is over the whole timed window)."""
     baseline_samples_per_s: float
     scaling_efficiency: float
     peak_memory_bytes: int
@@ -266,7 +267,9 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
     peak = peak_flops(bench.dev, t.peak_flops)
     per_device = samples_per_s / world
     memory = stats.memory
-    step_time = stats.timed_seconds / stats.timed_steps
+    # The median step: one stray slow step (another process, a page fault) doesn't move it;
+    # throughput above stays the whole window's.
+    step_time = statistics.median(stats.step_seconds) if stats.step_seconds else stats.timed_seconds / stats.timed_steps
     efficiency = samples_per_s / (world * base)
     stage = dims.coordinates(rank())["pp"] if world > 1 else 0
     digests = gather_objects((stage, parameter_digest(parallel.model)))

@@ -18,6 +18,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+COSTMODEL_VERSION = 2
+"""Bumped when the predicted components change meaning (2: per-call latency, measured strategy
+overhead): plan.calibrate only fits runs predicted by the same version."""
+
 ADAM_FP32 = (4, 4, 8)
 """Bytes per parameter for params, grads, optimizer state: fp32 training with Adam."""
 ADAM_MIXED = (2, 2, 12)
@@ -166,12 +170,13 @@ class Link:
     world: int
     """The world size the fit was measured at."""
 
-    def time(self, collective: str, nbytes: float, n: int) -> float:
-        """Seconds for one call of `nbytes` over `n` ranks (ring latency grows with n − 1)."""
+    def time(self, collective: str, nbytes: float, n: int, calls: int = 1) -> float:
+        """Seconds for `nbytes` over `n` ranks moved in `calls` calls: each call pays the latency
+        (ring latency grows with n − 1), the bytes pay the bandwidth once."""
         if n <= 1 or nbytes <= 0:
             return 0.0
         alpha = self.alpha_s * (n - 1) / max(self.world - 1, 1)
-        return alpha + nbytes * BUS_FACTOR[collective](n) / (self.busbw_gbps * 1e9)
+        return calls * alpha + nbytes * BUS_FACTOR[collective](n) / (self.busbw_gbps * 1e9)
 
 
 def fit_link(points: list[tuple[int, float]], collective: str, world: int) -> Link:
@@ -206,28 +211,54 @@ class Comm:
     """Activations and their gradients sent between stages."""
 
 
+DDP_FIRST_BUCKET_BYTES = 1024**2
+"""DDP closes its first gradient bucket at 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES),
+so that the first all-reduce starts early in backward; later buckets fill to bucket_cap_mb."""
+
+
+def ddp_buckets(grad_bytes: float, bucket_cap_bytes: float) -> int:
+    """All-reduce calls DDP makes per step for `grad_bytes` of gradients."""
+    rest = max(grad_bytes - DDP_FIRST_BUCKET_BYTES, 0.0)
+    return 1 + math.ceil(rest / bucket_cap_bytes)
+
+
+def fsdp_units(shape: Shape) -> int:
+    """FSDP units (training/parallel/fsdp.py): one per block, and the root's (embeddings, head)."""
+    return shape.layers + 1
+
+
 def comm_time(shape: Shape, strategy: str, d: Degrees, micro_batch: int, grad_accum: int, microbatches: int,
-              dtype_bytes: int, link: Callable[[str, int], Link]) -> Comm:
+              dtype_bytes: int, link: Callable[[str, int], Link], bucket_cap_bytes: float = 25 * 1024**2,
+              clip: bool = False) -> Comm:
     """Per-step communication of each strategy in seconds (ZeRO's, Megatron's and GPipe's
-    volumes); `link(collective, ranks)` is the fitted α–β model for that collective and span."""
+    volumes, in the calls each implementation makes: every call pays the link's latency, which is
+    what dominates a small model or a slow link); `link(collective, ranks)` is the fitted α–β
+    model for that collective and span."""
     psi = params_per_rank(shape, d)
     grads = 4 * psi  # reduced in fp32 (DDP's buckets; FSDP's reduce_dtype)
     params = dtype_bytes * psi
     n, world = d.dp, d.world
+    units = fsdp_units(shape)
 
-    def call(collective: str, nbytes: float, ranks: int) -> float:
-        return link(collective, world).time(collective, nbytes, ranks)
+    def call(collective: str, nbytes: float, ranks: int, calls: int = 1) -> float:
+        return link(collective, world).time(collective, nbytes, ranks, calls)
 
     if n == 1:
         dp_s = 0.0
-    elif strategy == "zero1":
-        dp_s = call("all_reduce", grads, n) + call("all_gather", params, n)
-    elif strategy == "zero2":
-        dp_s = call("reduce_scatter", grads, n) + call("all_gather", params, n)
-    elif d.dp_shard > 1:  # zero3 / FSDP: gather in forward and again in backward
-        dp_s = 2 * call("all_gather", params, n) + call("reduce_scatter", grads, n)
+    elif strategy == "zero1":  # DDP's buckets, then each rank's updated partition to the others
+        dp_s = call("all_reduce", grads, n, ddp_buckets(grads, bucket_cap_bytes)) + call("all_gather", params, n)
+    elif d.dp_shard > 1:
+        # FSDP2, per unit: an all-gather before its forward, a reduce-scatter after its backward,
+        # and under ZeRO-3 (reshard after forward) another all-gather before its backward -
+        # except the root's, which FSDP keeps from forward to backward.
+        regathered = shape.params - shape.first_stage_params - shape.last_stage_params if strategy != "zero2" else 0
+        dp_s = (call("all_gather", params, n, units)
+                + call("all_gather", dtype_bytes * regathered / d.tp / d.pp, n, units - 1)
+                + call("reduce_scatter", grads, n, units))
+        if clip:  # the global gradient norm of sharded gradients: one scalar all-reduce
+            dp_s += call("all_reduce", 4, n)
     else:
-        dp_s = call("all_reduce", grads, n)
+        dp_s = call("all_reduce", grads, n, ddp_buckets(grads, bucket_cap_bytes))
     activation = activation_tensor_bytes(micro_batch, shape.seq_len, shape.hidden, dtype_bytes)
     layers = math.ceil(shape.layers / d.pp)
     tp_s = 4 * layers * grad_accum * link("all_reduce", d.tp).time("all_reduce", activation, d.tp)
@@ -245,22 +276,26 @@ class StepPrediction:
     compute_s: float
     exposed_comm_s: float
     bubble_s: float
+    overhead_s: float = 0.0
+    """The strategy's own per-step work besides the model's (hooks, copies, sharded optimizer)."""
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.exposed_comm_s + self.bubble_s
+        return self.compute_s + self.overhead_s + self.exposed_comm_s + self.bubble_s
 
 
-def step_time(compute_s: float, comm: Comm, d: Degrees, microbatches: int, overlap: float) -> StepPrediction:
-    """compute + exposed communication + pipeline bubble.
+def step_time(compute_s: float, comm: Comm, d: Degrees, microbatches: int, overlap: float,
+              overhead_s: float = 0.0) -> StepPrediction:
+    """compute + the strategy's overhead + exposed communication + pipeline bubble.
 
     `compute_s` is the whole step's compute on one rank (its share of the model and batch).
     Data-parallel traffic hides behind the backward pass (2/3 of compute) up to `overlap`;
     tensor- and pipeline-parallel traffic is on the critical path."""
     hidden = overlap * compute_s * 2 / 3
     exposed = max(comm.data_parallel_s - hidden, 0.0) + comm.tensor_parallel_s + comm.pipeline_s
-    bubble = (compute_s + exposed) * pipeline_bubble(d.pp, microbatches) / (1 - pipeline_bubble(d.pp, microbatches))
-    return StepPrediction(compute_s, exposed, bubble)
+    busy = compute_s + overhead_s + exposed
+    bubble = busy * pipeline_bubble(d.pp, microbatches) / (1 - pipeline_bubble(d.pp, microbatches))
+    return StepPrediction(compute_s, exposed, bubble, overhead_s)
 
 
 # ---- predictions ----------------------------------------------------------------------------
@@ -282,13 +317,24 @@ class Hardware:
     """CPU hosts: the cores the ranks share; None for GPUs (every rank has its own device)."""
     threads_per_device: int = 1
     """CPU hosts: threads one rank computes with (the measured "device")."""
+    overhead_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Per strategy: what its wrapper adds to one micro-batch step, measured on one rank
+    (training/overhead.py); a strategy not in it (a what-if cluster, pp) is taken to add nothing."""
+
+    def contention(self, world: int) -> float:
+        """How much slower one rank's CPU work runs when `world` ranks run: 1 on GPUs; on a CPU
+        host, once the ranks' threads outnumber its cores they time-share them."""
+        if self.cores is None:
+            return 1.0
+        return max(1.0, world * self.threads_per_device / self.cores)
 
     def compute_per_sample(self, world: int) -> float:
-        """Per-sample compute of one rank when `world` ranks run: constant on GPUs; on a CPU host,
-        once the ranks' threads outnumber its cores they time-share them."""
-        if self.cores is None:
-            return self.seconds_per_sample
-        return self.seconds_per_sample * max(1.0, world * self.threads_per_device / self.cores)
+        """Per-sample compute of one rank when `world` ranks run."""
+        return self.seconds_per_sample * self.contention(world)
+
+    def strategy_overhead(self, strategy: str, world: int) -> float:
+        """The strategy's per-micro-batch overhead on one rank of `world` (none unwrapped, at 1)."""
+        return self.overhead_s.get(strategy, 0.0) * self.contention(world) if world > 1 else 0.0
 
     def link(self, collective: str, ranks: int) -> Link:
         """The fitted link for `collective` over `ranks`; with nothing measured (a world of one)
@@ -312,6 +358,10 @@ class Workload:
     tokens_per_sample: int
     activation_bytes_per_sample: float | None
     """Measured on one device; None uses the analytic GPT formula."""
+    bucket_cap_bytes: float = 25 * 1024**2
+    """DDP's gradient bucket size (strategy.bucket_cap_mb)."""
+    clip: bool = False
+    """Gradient clipping (train.grad_clip): sharded gradients need one more all-reduce for the norm."""
 
 
 @dataclass(frozen=True)
@@ -330,6 +380,8 @@ class Prediction:
     """The model's pipeline bubble, before calibration."""
     compute_s: float = 0.0
     """The model's compute per step, before calibration (step_time_s = their sum uncalibrated)."""
+    overhead_s: float = 0.0
+    """The strategy's measured per-step overhead, before calibration."""
 
 
 # ---- calibration ------------------------------------------------------------------------------
@@ -348,10 +400,11 @@ class MeasuredStep:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Scales fitted to earlier runs: step = compute_scale x (compute + bubble) + comm_scale[strategy]
-    x exposed communication. One compute scale for the host (contention, kernels the single-device
-    timing missed); one communication scale per strategy, since the α–β terms miss different things
-    for each (FSDP's per-block gathers pay the latency once per block, DDP's buckets once per bucket)."""
+    """Scales fitted to earlier runs: step = compute_scale x (compute + overhead + bubble) +
+    comm_scale[strategy] x exposed communication. One compute scale for the host's CPU-side work
+    (contention, kernels the single-device timing missed); one communication scale per strategy,
+    since the α–β terms miss different things for each (an idle probe's latency vs. a collective
+    that waits on a peer busy with its hooks)."""
 
     compute_scale: float
     comm_scale: dict[str, float]
@@ -363,7 +416,7 @@ class Calibration:
 
     def step_s(self, strategy: str, step: StepPrediction) -> float:
         comm = self.comm_scale.get(strategy, self.default_comm_scale)
-        return self.compute_scale * (step.compute_s + step.bubble_s) + comm * step.exposed_comm_s
+        return self.compute_scale * (step.compute_s + step.overhead_s + step.bubble_s) + comm * step.exposed_comm_s
 
     @property
     def default_comm_scale(self) -> float:
@@ -378,7 +431,7 @@ class Calibration:
 
 
 def fit_calibration(points: list[MeasuredStep]) -> Calibration | None:
-    """Least squares on relative error: minimise sum(((kc (c + b) + km[s] m - t) / t)^2) over the
+    """Least squares on relative error: minimise sum(((kc (c + o + b) + km[s] m - t) / t)^2) over the
     points, with kc shared and km per strategy; scales are kept positive. None without points."""
     import numpy as np
 
@@ -389,7 +442,7 @@ def fit_calibration(points: list[MeasuredStep]) -> Calibration | None:
     columns = ["compute", *comm_strategies]
     a = np.zeros((len(points), len(columns)))
     for i, p in enumerate(points):
-        a[i, 0] = (p.predicted.compute_s + p.predicted.bubble_s) / p.measured_step_s
+        a[i, 0] = (p.predicted.compute_s + p.predicted.overhead_s + p.predicted.bubble_s) / p.measured_step_s
         if p.predicted.exposed_comm_s > 0:
             a[i, columns.index(p.strategy)] = p.predicted.exposed_comm_s / p.measured_step_s
     scales, *_ = np.linalg.lstsq(a, np.ones(len(points)), rcond=None)
@@ -450,9 +503,11 @@ def predict(w: Workload, hw: Hardware, strategy: str, devices: int, memory_limit
     if not feasible(w.shape, d, w):
         return None
     dtype_bytes = 2 if w.mixed else 4
-    comm = comm_time(w.shape, strategy, d, w.micro_batch, w.grad_accum, w.microbatches, dtype_bytes, hw.link)
+    comm = comm_time(w.shape, strategy, d, w.micro_batch, w.grad_accum, w.microbatches, dtype_bytes, hw.link,
+                     w.bucket_cap_bytes, w.clip)
     compute = hw.compute_per_sample(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp)
-    step = step_time(compute, comm, d, w.microbatches, overlap)
+    overhead = hw.strategy_overhead(strategy, devices) * w.grad_accum
+    step = step_time(compute, comm, d, w.microbatches, overlap, overhead)
     step_s = step.step_s
     if calibration is not None:
         step_s = calibration.step_s(strategy, step)
@@ -470,6 +525,7 @@ def predict(w: Workload, hw: Hardware, strategy: str, devices: int, memory_limit
         exposed_comm_s=step.exposed_comm_s,
         bubble_s=step.bubble_s,
         compute_s=step.compute_s,
+        overhead_s=step.overhead_s,
     )
 
 

@@ -38,6 +38,8 @@ class LoopStats:
     lrs: list[float]
     timed_steps: int
     timed_seconds: float
+    step_seconds: list[float]
+    """Each timed step's own wall time (device time between step starts on CUDA)."""
     memory: StepMemory | None
     """The probed first step's memory, when a probe was given."""
 
@@ -84,11 +86,14 @@ def train_loop(
     memory = None
     timed_from = min(first + timing_warmup, steps - 1)
     start = time.perf_counter()
+    marks = StepMarks(dev)
     parallel.model.train()
     for step in range(first, steps):
         if step == timed_from:
             synchronize(dev)
             start = time.perf_counter()
+        if step >= timed_from:
+            marks.mark()
         if profiler is not None and step == profiler.first:
             profiler.start()
         lrs.append(optimizer.param_groups[0]["lr"])
@@ -123,9 +128,35 @@ def train_loop(
                 on_log(done, losses[-1])
         if checkpoint and on_checkpoint is not None:
             on_checkpoint(done, losses, lrs)
+    marks.mark()
     synchronize(dev)
     elapsed = time.perf_counter() - start
-    return LoopStats(losses=losses, lrs=lrs, timed_steps=steps - timed_from, timed_seconds=elapsed, memory=memory)
+    return LoopStats(losses=losses, lrs=lrs, timed_steps=steps - timed_from, timed_seconds=elapsed,
+                     step_seconds=marks.intervals(), memory=memory)
+
+
+class StepMarks:
+    """Timestamps at each step's start, without a host sync per step: CUDA events on a GPU (read
+    once the loop has synchronised at its end), the host clock on CPU, where work is synchronous."""
+
+    def __init__(self, dev: torch.device):
+        self.cuda = dev.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        """Seconds between consecutive marks (call after a synchronize)."""
+        pairs = zip(self.marks, self.marks[1:], strict=False)
+        if self.cuda:
+            return [a.elapsed_time(b) / 1e3 for a, b in pairs]
+        return [b - a for a, b in pairs]
 
 
 def _accumulate(parallel: Parallel, inputs, targets, batches: GlobalBatches, step: int, dev, step_loss) -> None:

@@ -131,3 +131,53 @@ def test_a_world_of_one_alone_calibrates_compute_only():
     cal = fit_calibration([MeasuredStep("ddp", 1, StepPrediction(0.010, 0.0, 0.0), 0.012)])
     assert cal.compute_scale == pytest.approx(1.2) and cal.comm_scale == {}
     assert cal.step_s("ddp", StepPrediction(0.010, 0.004, 0.0)) == pytest.approx(0.012 + 0.004)
+
+
+def test_every_collective_call_pays_the_latency_ddp_per_bucket_fsdp_per_unit():
+    """gpt-tiny's shape: 2 blocks, so 3 FSDP units. With a free wire only latency is left:
+    DDP one call per bucket; zero3 per unit a forward gather, a reduce-scatter, and a backward
+    gather for every unit but the root; zero2 no backward gather; the clip norm one more call."""
+    from training.costmodel import comm_time, ddp_buckets, fsdp_units
+
+    shape = gpt_shape(256, 64, 64, 2, 4, 4)
+    alpha = 1e-3
+    wire = Link(alpha_s=alpha, busbw_gbps=float("inf"), world=2)
+    assert fsdp_units(shape) == 3
+    assert ddp_buckets(0.5 * MIB, 25 * MIB) == 1  # it all fits in the 1 MiB first bucket
+    assert ddp_buckets(1 * MIB + 60 * MIB, 25 * MIB) == 1 + 3
+
+    def dp(strategy, degrees, **kw):
+        return comm_time(shape, strategy, degrees, 8, 1, 1, 4, lambda c, n: wire, **kw).data_parallel_s
+
+    assert dp("ddp", Degrees(dp_replicate=2)) == pytest.approx(alpha)
+    assert dp("ddp", Degrees(dp_replicate=2), bucket_cap_bytes=0.1 * MIB) == pytest.approx(1 * alpha)
+    assert dp("zero3", Degrees(dp_shard=2)) == pytest.approx((3 + 2 + 3) * alpha)
+    assert dp("zero2", Degrees(dp_shard=2)) == pytest.approx((3 + 3) * alpha)
+    assert dp("zero3", Degrees(dp_shard=2), clip=True) == pytest.approx((3 + 2 + 3 + 1) * alpha)
+    # Ring latency grows with the ranks: 4 ranks pay (4 - 1) / (2 - 1) times the 2-rank latency.
+    assert dp("zero3", Degrees(dp_shard=4)) == pytest.approx(3 * (3 + 2 + 3) * alpha)
+
+
+def test_a_large_gradient_fills_many_ddp_buckets():
+    from training.costmodel import comm_time
+
+    shape = flat(100 * MIB / 4)  # 100 MiB of fp32 gradients
+    wire = Link(alpha_s=1e-3, busbw_gbps=float("inf"), world=2)
+    dp = comm_time(shape, "ddp", Degrees(dp_replicate=2), 8, 1, 1, 4, lambda c, n: wire,
+                   bucket_cap_bytes=25 * MIB).data_parallel_s
+    assert dp == pytest.approx((1 + 4) * 1e-3)  # 1 MiB, then 99 MiB in four 25 MiB buckets
+
+
+def test_the_strategy_overhead_is_on_the_critical_path_and_time_shares_a_cpu_host():
+    from training.costmodel import Comm, Hardware, step_time
+
+    cpu = Hardware(1e9, 10**9, {}, {}, seconds_per_sample=1e-3, cores=2, threads_per_device=1,
+                   overhead_s={"zero3": 0.010})
+    assert cpu.strategy_overhead("zero3", 1) == 0  # a world of one runs unwrapped
+    assert cpu.strategy_overhead("zero3", 2) == pytest.approx(0.010)
+    assert cpu.strategy_overhead("zero3", 4) == pytest.approx(0.020)  # 4 ranks on 2 cores
+    assert cpu.strategy_overhead("pp", 4) == 0  # not measured
+    gpu = dataclasses.replace(cpu, cores=None)
+    assert gpu.strategy_overhead("zero3", 64) == pytest.approx(0.010)
+    step = step_time(0.020, Comm(0.004, 0.0, 0.0), Degrees(dp_shard=2), 1, overlap=0.0, overhead_s=0.010)
+    assert step.step_s == pytest.approx(0.020 + 0.010 + 0.004)

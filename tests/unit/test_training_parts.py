@@ -83,3 +83,39 @@ def test_memory_and_flops_are_counted_from_the_model():
     flops = flops_per_sample(model, lambda m, a, b: torch.nn.functional.cross_entropy(m(a), b), x, y)
     # fwd 2N + bwd 4N per weight, except the first layer, which needs no gradient of its input.
     assert flops == 4 * 10 * 20 + 6 * 20 * 3
+
+
+def test_strategy_overheads_are_measured_on_a_one_rank_group_that_is_then_gone():
+    """The real wrappers (DDP, ZeroRedundancyOptimizer, FSDP2, DTensor TP) on a one-member gloo
+    group: FSDP2's hooks, copies and DTensor optimizer cost a gpt-tiny step time on any machine;
+    the bare model's parameters are left untouched (the copies are wrapped, not it)."""
+    import torch.distributed as dist
+
+    from training.overhead import measure_overheads
+
+    torch.set_num_threads(1)
+    model = build_model(ModelConfig(), DataConfig(), seed=0)
+    pool = make_pool(DataConfig(), ModelConfig(), seed=0)
+    x, y = pool[0][:8].clone(), pool[1][:8].clone()
+    result = measure_overheads(model, lambda net: loss_fn(net, x, y), ["ddp", "zero1", "zero3", "tp", "pp"],
+                               torch.device("cpu"), grad_clip=1.0, bucket_cap_mb=25.0, rounds=2, steps=2)
+    assert set(result.seconds) == {"ddp", "zero1", "zero3", "tp"}
+    assert result.seconds["zero3"] > 0 and result.bare_step_s > 0
+    assert all(v >= 0 for v in result.seconds.values())
+    assert "pp" in result.not_measured
+    assert not dist.is_initialized()
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+
+
+def test_step_marks_time_each_step_on_the_host():
+    import time
+
+    from training.loop import StepMarks
+
+    marks = StepMarks(torch.device("cpu"))
+    for pause in (0.0, 0.02, 0.0):
+        marks.mark()
+        time.sleep(pause)
+    marks.mark()
+    times = marks.intervals()
+    assert len(times) == 3 and times[1] >= 0.02 > times[0]

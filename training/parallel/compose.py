@@ -187,9 +187,14 @@ def build_optimizer(parallel: Parallel, lr: float, weight_decay: float) -> torch
 def clip_grad_norm(parallel: Parallel, max_norm: float) -> torch.Tensor:
     """Clip by the global gradient norm over every rank's part of the model (sharded gradients are
     DTensors; pipeline stages each hold some layers, so their squared norms are summed)."""
+    return clip_model_grads(parallel.model, max_norm, parallel.pp_group)
+
+
+def clip_model_grads(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """clip_grad_norm on a model, wrapped or not; `pp_group` sums the pipeline stages' norms."""
     # TP mixes DTensor gradients with plain (replicated) ones, and FSDP+TP puts DTensors on two
     # meshes; norms don't mix those, so take each group's norm and combine the squares.
-    params = [p for p in parallel.model.parameters() if p.grad is not None]
+    params = [p for p in model.parameters() if p.grad is not None]
     by_mesh: dict[object, list[nn.Parameter]] = {}
     for p in params:
         by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
@@ -198,8 +203,8 @@ def clip_grad_norm(parallel: Parallel, max_norm: float) -> torch.Tensor:
     for group in groups:
         norm = nn.utils.get_total_norm([p.grad for p in group])
         squared = squared + (norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
-    if parallel.pp_group is not None:
-        dist.all_reduce(squared, group=parallel.pp_group)
+    if pp_group is not None:
+        dist.all_reduce(squared, group=pp_group)
     norm = squared.sqrt()
     for group in groups:
         nn.utils.clip_grads_with_norm_(group, max_norm, norm)
