@@ -50,10 +50,11 @@ def measured_step(summary: dict[str, Any]) -> MeasuredStep | None:
     if train.get("status") not in ("ran", "cached") or not t or not p:
         return None
     match = next((x for x in p.get("predictions", [])
-                  if x["strategy"] == t["strategy"] and x["devices"] == t["world_size"] and "overhead_s" in x), None)
+                  if x["strategy"] == t["strategy"] and x["devices"] == t["world_size"] and "collective_calls" in x), None)
     if match is None:
         return None
-    predicted = StepPrediction(match["compute_s"], match["exposed_comm_s"], match["bubble_s"], match["overhead_s"])
+    predicted = StepPrediction(match["compute_s"], match["exposed_comm_s"], match["bubble_s"], match["overhead_s"],
+                               match["collective_calls"])
     return MeasuredStep(t["strategy"], t["world_size"], predicted, t["step_time_s"])
 
 

@@ -44,6 +44,8 @@ from training.parallel.dims import resolve_dims
 
 GIB = 1024**3
 TIMED_STEPS = 5
+MAX_TIMED_STEPS = 50
+TIMED_BUDGET_S = 1.0
 # Goyal et al. (2017) saw the linear rule hold to 8k-sample ImageNet batches, ~32x their base.
 LINEAR_RULE_LIMIT = 32
 
@@ -125,6 +127,7 @@ class PlanResult:
                     ("plan/calibration_error_before_pct", c.error_before_pct, 0),
                     ("plan/calibration_error_after_pct", c.error_after_pct, 0)]
             out += [(f"plan/calibration_comm_scale/{k}", v, 0) for k, v in c.comm_scale.items()]
+            out.append(("plan/calibration_call_ms", c.call_s * 1e3, 0))
         return out
 
     def headline(self) -> str:
@@ -155,8 +158,10 @@ def data_parallel_size(cfg: PlanInputs) -> int:
 
 
 def _timed_steps(step) -> float:  # noqa: ANN001 - a zero-argument callable
-    times = []
-    for _ in range(TIMED_STEPS):
+    """The median step of at least TIMED_STEPS, more while they add up to under a second (every
+    prediction scales this one number: a few more steps of a small model are cheap insurance)."""
+    times: list[float] = []
+    while len(times) < TIMED_STEPS or (sum(times) < TIMED_BUDGET_S and len(times) < MAX_TIMED_STEPS):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)

@@ -209,6 +209,8 @@ class Comm:
     """Activation all-reduces inside every block: on the critical path."""
     pipeline_s: float
     """Activations and their gradients sent between stages."""
+    calls: int = 0
+    """Collective calls per step: each one a point where this rank may wait for its peers."""
 
 
 DDP_FIRST_BUCKET_BYTES = 1024**2
@@ -240,7 +242,11 @@ def comm_time(shape: Shape, strategy: str, d: Degrees, micro_batch: int, grad_ac
     n, world = d.dp, d.world
     units = fsdp_units(shape)
 
+    made = [0]
+
     def call(collective: str, nbytes: float, ranks: int, calls: int = 1) -> float:
+        if ranks > 1 and nbytes > 0:
+            made[0] += calls
         return link(collective, world).time(collective, nbytes, ranks, calls)
 
     if n == 1:
@@ -261,11 +267,16 @@ def comm_time(shape: Shape, strategy: str, d: Degrees, micro_batch: int, grad_ac
         dp_s = call("all_reduce", grads, n, ddp_buckets(grads, bucket_cap_bytes))
     activation = activation_tensor_bytes(micro_batch, shape.seq_len, shape.hidden, dtype_bytes)
     layers = math.ceil(shape.layers / d.pp)
-    tp_s = 4 * layers * grad_accum * link("all_reduce", d.tp).time("all_reduce", activation, d.tp)
+    tp_s = 0.0
+    if d.tp > 1:  # two all-reduces per block in forward, two in backward, per micro-batch
+        tp_calls = 4 * layers * grad_accum
+        tp_s = link("all_reduce", d.tp).time("all_reduce", activation * tp_calls, d.tp, tp_calls)
+        made[0] += tp_calls
     pp_s = 0.0
     if d.pp > 1:
-        pp_s = 2 * microbatches * grad_accum * call("broadcast", activation / microbatches, 2)
-    return Comm(dp_s, tp_s, pp_s)
+        pp_s = call("broadcast", activation / microbatches * 2 * microbatches * grad_accum, 2,
+                    2 * microbatches * grad_accum)
+    return Comm(dp_s, tp_s, pp_s, made[0])
 
 
 # ---- step time ------------------------------------------------------------------------------
@@ -278,6 +289,8 @@ class StepPrediction:
     bubble_s: float
     overhead_s: float = 0.0
     """The strategy's own per-step work besides the model's (hooks, copies, sharded optimizer)."""
+    collective_calls: int = 0
+    """Collectives per step (Comm.calls): what calibration's per-call cost multiplies."""
 
     @property
     def step_s(self) -> float:
@@ -295,7 +308,7 @@ def step_time(compute_s: float, comm: Comm, d: Degrees, microbatches: int, overl
     exposed = max(comm.data_parallel_s - hidden, 0.0) + comm.tensor_parallel_s + comm.pipeline_s
     busy = compute_s + overhead_s + exposed
     bubble = busy * pipeline_bubble(d.pp, microbatches) / (1 - pipeline_bubble(d.pp, microbatches))
-    return StepPrediction(compute_s, exposed, bubble, overhead_s)
+    return StepPrediction(compute_s, exposed, bubble, overhead_s, comm.calls)
 
 
 # ---- predictions ----------------------------------------------------------------------------
@@ -382,6 +395,8 @@ class Prediction:
     """The model's compute per step, before calibration (step_time_s = their sum uncalibrated)."""
     overhead_s: float = 0.0
     """The strategy's measured per-step overhead, before calibration."""
+    collective_calls: int = 0
+    """Collective calls per step in the model."""
 
 
 # ---- calibration ------------------------------------------------------------------------------
@@ -401,10 +416,11 @@ class MeasuredStep:
 @dataclass(frozen=True)
 class Calibration:
     """Scales fitted to earlier runs: step = compute_scale x (compute + overhead + bubble) +
-    comm_scale[strategy] x exposed communication. One compute scale for the host's CPU-side work
-    (contention, kernels the single-device timing missed); one communication scale per strategy,
-    since the α–β terms miss different things for each (an idle probe's latency vs. a collective
-    that waits on a peer busy with its hooks)."""
+    comm_scale[strategy] x exposed communication + call_s x collective calls. One compute scale
+    for the host's CPU-side work (contention, kernels the single-device timing missed); one
+    communication scale per strategy, since the α–β terms miss different things for each; and a
+    cost per collective call, shared: what a rank waits at each one for a peer that is still busy
+    (an idle probe never sees it; FSDP's many calls per step pay it many times)."""
 
     compute_scale: float
     comm_scale: dict[str, float]
@@ -413,10 +429,13 @@ class Calibration:
     """Median |measured - predicted| / measured over the points, uncalibrated."""
     error_after_pct: float
     """The same, calibrated (in-sample: the fit's own points)."""
+    call_s: float = 0.0
+    """Seconds each collective call costs beyond the α–β model."""
 
     def step_s(self, strategy: str, step: StepPrediction) -> float:
         comm = self.comm_scale.get(strategy, self.default_comm_scale)
-        return self.compute_scale * (step.compute_s + step.overhead_s + step.bubble_s) + comm * step.exposed_comm_s
+        return (self.compute_scale * (step.compute_s + step.overhead_s + step.bubble_s) + comm * step.exposed_comm_s
+                + self.call_s * step.collective_calls)
 
     @property
     def default_comm_scale(self) -> float:
@@ -427,32 +446,55 @@ class Calibration:
     def describe(self) -> str:
         comm = ", ".join(f"{k} x{v:.2f}" for k, v in sorted(self.comm_scale.items())) or "none measured"
         return (f"calibration: {self.points} earlier runs; compute x{self.compute_scale:.2f}, communication "
-                f"{comm}; median step-time error on them {self.error_before_pct:.0f} % -> {self.error_after_pct:.0f} %")
+                f"{comm}, +{self.call_s * 1e3:.2f} ms per collective call; median step-time error on them "
+                f"{self.error_before_pct:.0f} % -> {self.error_after_pct:.0f} %")
+
+
+def nonnegative_least_squares(a, b):  # noqa: ANN001, ANN201 - numpy arrays
+    """argmin |a x - b| over x >= 0, exactly, by trying every set of free columns (a calibration
+    has a handful: 2^k small solves); a negative scale would be noise, not physics."""
+    import itertools
+
+    import numpy as np
+
+    best, best_x = float("inf"), np.zeros(a.shape[1])
+    for k in range(1, a.shape[1] + 1):
+        for free in itertools.combinations(range(a.shape[1]), k):
+            x, *_ = np.linalg.lstsq(a[:, free], b, rcond=None)
+            if (x < 0).any():
+                continue
+            residual = float(np.sum((a[:, free] @ x - b) ** 2))
+            if residual < best - 1e-15:
+                best, best_x = residual, np.zeros(a.shape[1])
+                best_x[list(free)] = x
+    return best_x
 
 
 def fit_calibration(points: list[MeasuredStep]) -> Calibration | None:
-    """Least squares on relative error: minimise sum(((kc (c + o + b) + km[s] m - t) / t)^2) over the
-    points, with kc shared and km per strategy; scales are kept positive. None without points."""
+    """Least squares on relative error: minimise sum(((kc (c + o + b) + km[s] m + kn n - t) / t)^2)
+    over the points, with kc and kn (per call) shared and km per strategy, all >= 0. None without
+    points."""
     import numpy as np
 
     points = [p for p in points if p.measured_step_s > 0 and p.predicted.step_s > 0]
     if not points:
         return None
     comm_strategies = sorted({p.strategy for p in points if p.predicted.exposed_comm_s > 0})
-    columns = ["compute", *comm_strategies]
+    columns = ["compute", *comm_strategies, "calls"]
     a = np.zeros((len(points), len(columns)))
     for i, p in enumerate(points):
         a[i, 0] = (p.predicted.compute_s + p.predicted.overhead_s + p.predicted.bubble_s) / p.measured_step_s
         if p.predicted.exposed_comm_s > 0:
             a[i, columns.index(p.strategy)] = p.predicted.exposed_comm_s / p.measured_step_s
-    scales, *_ = np.linalg.lstsq(a, np.ones(len(points)), rcond=None)
-    scales = np.clip(scales, 1e-3, None)  # a negative scale is noise, not physics
+        a[i, -1] = p.predicted.collective_calls / p.measured_step_s
+    scales = nonnegative_least_squares(a, np.ones(len(points)))
     calibration = Calibration(
         compute_scale=float(scales[0]),
         comm_scale={s: float(scales[1 + i]) for i, s in enumerate(comm_strategies)},
         points=len(points),
         error_before_pct=0.0,
         error_after_pct=0.0,
+        call_s=float(scales[-1]),
     )
 
     def median_error(step: Callable[[MeasuredStep], float]) -> float:
@@ -526,6 +568,7 @@ def predict(w: Workload, hw: Hardware, strategy: str, devices: int, memory_limit
         bubble_s=step.bubble_s,
         compute_s=step.compute_s,
         overhead_s=step.overhead_s,
+        collective_calls=step.collective_calls,
     )
 
 

@@ -125,6 +125,28 @@ def test_calibration_recovers_known_scales_and_leaves_unmeasured_strategies_at_t
     assert fit_calibration([]) is None
 
 
+def test_calibration_finds_a_cost_per_collective_call_and_never_a_negative_scale():
+    """Measured = 1.1 x compute + 1.5 x communication + 2 ms per call: FSDP's 9 calls per step pay it
+    9 times, DDP's one bucket once; the fit recovers it, and noise can't push a scale below zero."""
+    from training.costmodel import MeasuredStep, StepPrediction, fit_calibration
+
+    points = []
+    for strategy, calls in (("ddp", 1), ("zero3", 9)):
+        for devices, compute, comm in ((1, 0.010, 0.0), (2, 0.010, 0.002), (4, 0.020, 0.006)):
+            n = calls if devices > 1 else 0
+            measured = 1.1 * compute + 1.5 * comm + 0.002 * n
+            points.append(MeasuredStep(strategy, devices, StepPrediction(compute, comm, 0.0, 0.0, n), measured))
+    cal = fit_calibration(points)
+    assert cal.call_s == pytest.approx(0.002) and cal.compute_scale == pytest.approx(1.1)
+    assert cal.comm_scale == pytest.approx({"ddp": 1.5, "zero3": 1.5})
+    assert "+2.00 ms per collective call" in cal.describe()
+    # Measured faster than the model's communication alone explains: the scale stops at zero.
+    odd = [MeasuredStep("ddp", 1, StepPrediction(0.010, 0.0, 0.0), 0.010),
+           MeasuredStep("ddp", 2, StepPrediction(0.010, 0.050, 0.0, 0.0, 1), 0.009)]
+    cal = fit_calibration(odd)
+    assert cal.comm_scale["ddp"] >= 0 and cal.call_s >= 0 and cal.compute_scale > 0
+
+
 def test_a_world_of_one_alone_calibrates_compute_only():
     from training.costmodel import MeasuredStep, StepPrediction, fit_calibration
 
@@ -150,7 +172,8 @@ def test_every_collective_call_pays_the_latency_ddp_per_bucket_fsdp_per_unit():
         return comm_time(shape, strategy, degrees, 8, 1, 1, 4, lambda c, n: wire, **kw).data_parallel_s
 
     assert dp("ddp", Degrees(dp_replicate=2)) == pytest.approx(alpha)
-    assert dp("ddp", Degrees(dp_replicate=2), bucket_cap_bytes=0.1 * MIB) == pytest.approx(1 * alpha)
+    calls = comm_time(shape, "zero3", Degrees(dp_shard=2), 8, 1, 1, 4, lambda c, n: wire, clip=True).calls
+    assert calls == 3 + 2 + 3 + 1
     assert dp("zero3", Degrees(dp_shard=2)) == pytest.approx((3 + 2 + 3) * alpha)
     assert dp("zero2", Degrees(dp_shard=2)) == pytest.approx((3 + 3) * alpha)
     assert dp("zero3", Degrees(dp_shard=2), clip=True) == pytest.approx((3 + 2 + 3 + 1) * alpha)
