@@ -156,40 +156,52 @@ def bench_launchers() -> list[Row]:
     return rows
 
 
+PLANNER_REPEATS = 3
+
+
 def bench_planner() -> list[Row]:
-    """7. The plan's predicted step time and memory vs the measured ones, ddp and zero3 at world 1, 2, 4:
-    each point runs with the model alone, then at once with plan.calibrate=true refining it from
-    every run made so far (this one's included: the study's own history). Back to back, because
-    this machine's speed drifts over minutes (README). Last, each point predicted by a calibration
-    fitted to the five other points alone (leave one out): a prediction for a run never measured."""
-    from pipelines.calibration import measured_step
+    """7. The plan's predicted step time and memory vs the measured ones, ddp and zero3 at world 1, 2, 4.
+    Each point is measured three times (the median: identical runs on this machine differ by up to
+    a third) and predicted three ways: by the model alone; by plan.calibrate=true with every
+    point measured (the real path: MLflow history, median of each point's runs); and by a
+    calibration fitted to the five other points only, a prediction for a run never measured."""
+    from pipelines.calibration import measured_step, settle
     from training.costmodel import fit_calibration
 
-    rows, held_out = [], []
+    rows, measured = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        for strategy in ("ddp", "zero3"):
-            for nodes in (1, 2, 4):
-                for calibrate in ("false", "true"):
-                    label = "calibrated" if calibrate == "true" else "model"
-                    name = f"{strategy}{nodes}-{label}"
-                    _cli(Path(tmp), f"strategy={strategy}", f"nodes={nodes}", "train.steps=80",
-                         "bandwidth.max_bytes=16777216", f"plan.calibrate={calibrate}", f"hydra.run.dir={name}")
-                    summary = json.loads((Path(tmp) / f"{name}/summary.json").read_text())
-                    train = summary["stages"]["train"]["result"]
-                    check = train["prediction"]
-                    rows.append(Row(f"planner ({label}), {strategy} world {nodes}: step time measured vs predicted",
-                                    train["step_time_s"] * 1e3, check["step_time_s"] * 1e3, "ms", "within 15 %"))
-                    if calibrate == "false":  # calibration touches step time only
-                        rows.append(Row(f"planner, {strategy} world {nodes}: peak memory measured vs predicted",
-                                        train["peak_memory_bytes"] / MIB, check["memory_bytes"] / MIB, "MiB",
-                                        "within 10 %"))
-                        held_out.append(measured_step(summary))
-    for i, point in enumerate(held_out):
-        calibration = fit_calibration(held_out[:i] + held_out[i + 1:])
-        predicted = calibration.step_s(point.strategy, point.predicted)
-        rows.append(Row(f"planner (calibrated on the 5 other points), {point.strategy} world {point.devices}: "
-                        "step time measured vs predicted", point.measured_step_s * 1e3, predicted * 1e3, "ms",
-                        "within 15 %"))
+        points = [(strategy, nodes) for strategy in ("ddp", "zero3") for nodes in (1, 2, 4)]
+        for strategy, nodes in points:
+            runs = []
+            for repeat in range(PLANNER_REPEATS):
+                name = f"{strategy}{nodes}-{repeat}"
+                _cli(Path(tmp), f"strategy={strategy}", f"nodes={nodes}", "train.steps=80",
+                     "bandwidth.max_bytes=16777216", f"hydra.run.dir={name}", *(["force=[train]"] if repeat else []))
+                runs.append(json.loads((Path(tmp) / f"{name}/summary.json").read_text()))
+            measured[strategy, nodes] = settle([measured_step(r) for r in runs])[0]
+            train = runs[0]["stages"]["train"]["result"]
+            step_ms = measured[strategy, nodes].measured_step_s * 1e3
+            times = ", ".join(f"{r['stages']['train']['result']['step_time_s'] * 1e3:.1f}" for r in runs)
+            rows.append(Row(f"planner (model), {strategy} world {nodes}: step time measured (median of {times}) vs "
+                            "predicted", step_ms, train["prediction"]["step_time_s"] * 1e3, "ms", "within 15 %"))
+            rows.append(Row(f"planner, {strategy} world {nodes}: peak memory measured vs predicted",
+                            train["peak_memory_bytes"] / MIB, train["prediction"]["memory_bytes"] / MIB, "MiB",
+                            "within 10 %"))
+        for strategy, nodes in points:
+            name = f"{strategy}{nodes}-calibrated"
+            _cli(Path(tmp), f"strategy={strategy}", f"nodes={nodes}", "train.steps=80", "bandwidth.max_bytes=16777216",
+                 "plan.calibrate=true", "only=[plan]", f"hydra.run.dir={name}")
+            plan = json.loads((Path(tmp) / f"{name}/summary.json").read_text())["stages"]["plan"]["result"]
+            predicted = next(p for p in plan["predictions"] if p["strategy"] == strategy and p["devices"] == nodes)
+            rows.append(Row(f"planner (calibrated on all 6 points), {strategy} world {nodes}: step time measured vs "
+                            "predicted", measured[strategy, nodes].measured_step_s * 1e3,
+                            predicted["step_time_s"] * 1e3, "ms", "within 15 %"))
+    for point in points:
+        calibration = fit_calibration([m for k, m in measured.items() if k != point])
+        m = measured[point]
+        rows.append(Row(f"planner (calibrated on the 5 other points), {m.strategy} world {m.devices}: step time "
+                        "measured vs predicted", m.measured_step_s * 1e3,
+                        calibration.step_s(m.strategy, m.predicted) * 1e3, "ms", "within 15 %"))
     return rows
 
 

@@ -204,3 +204,18 @@ def test_the_strategy_overhead_is_on_the_critical_path_and_time_shares_a_cpu_hos
     assert gpu.strategy_overhead("zero3", 64) == pytest.approx(0.010)
     step = step_time(0.020, Comm(0.004, 0.0, 0.0), Degrees(dp_shard=2), 1, overlap=0.0, overhead_s=0.010)
     assert step.step_s == pytest.approx(0.020 + 0.010 + 0.004)
+
+
+def test_the_history_is_the_median_of_each_points_first_three_measurements_and_then_settles():
+    from pipelines.calibration import settle
+    from training.costmodel import MeasuredStep, StepPrediction
+
+    def run(strategy, devices, ms):
+        return MeasuredStep(strategy, devices, StepPrediction(0.010, 0.001, 0.0), ms / 1e3)
+
+    runs = [run("zero3", 2, 40), run("ddp", 1, 10), run("zero3", 2, 40),  # a cached re-run: no new measurement
+            run("zero3", 2, 55), run("zero3", 2, 44), run("zero3", 2, 90)]  # the fourth comes too late
+    history = settle(runs)
+    assert [(h.strategy, h.devices) for h in history] == [("ddp", 1), ("zero3", 2)]
+    assert history[1].measured_step_s == pytest.approx(0.044)  # median of 40, 55, 44
+    assert settle([*runs, run("zero3", 2, 20)]) == history  # settled: later runs change nothing
