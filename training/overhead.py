@@ -78,7 +78,8 @@ def _wrap(strategy: str, model: nn.Module, dev: torch.device) -> torch.optim.Opt
 def _ddp(model: nn.Module, dev: torch.device, bucket_cap_mb: float) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+    index = (dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=[index] if index is not None else None,
                                    bucket_cap_mb=bucket_cap_mb)
 
 
