@@ -172,11 +172,19 @@ class Link:
 
     def time(self, collective: str, nbytes: float, n: int, calls: int = 1) -> float:
         """Seconds for `nbytes` over `n` ranks moved in `calls` calls: each call pays the latency
-        (ring latency grows with n − 1), the bytes pay the bandwidth once."""
+        (latency_hops(n) hops, scaled from the `world` it was measured at), the bytes pay the
+        bandwidth once."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        alpha = self.alpha_s * (n - 1) / max(self.world - 1, 1)
+        alpha = self.alpha_s * latency_hops(n) / latency_hops(max(self.world, 2))
         return calls * alpha + nbytes * BUS_FACTOR[collective](n) / (self.busbw_gbps * 1e9)
+
+
+def latency_hops(n: int) -> float:
+    """Sequential hops in one small-message collective over n ranks: a ring's n − 1, until the
+    tree (NCCL's double binary tree, gloo's halving-doubling) is shorter at 2·log2(n); the
+    libraries switch to it at scale."""
+    return min(n - 1, 2 * math.log2(n))
 
 
 def fit_link(points: list[tuple[int, float]], collective: str, world: int) -> Link:

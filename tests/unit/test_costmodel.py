@@ -181,6 +181,14 @@ def test_every_collective_call_pays_the_latency_ddp_per_bucket_fsdp_per_unit():
     assert dp("zero3", Degrees(dp_shard=4)) == pytest.approx(3 * (3 + 2 + 3) * alpha)
 
 
+def test_latency_grows_along_a_ring_then_along_a_tree():
+    from training.costmodel import latency_hops
+
+    assert [latency_hops(n) for n in (2, 4, 8, 512)] == pytest.approx([1, 3, 6, 18])
+    measured_at_node = Link(alpha_s=10e-6, busbw_gbps=float("inf"), world=8)
+    assert measured_at_node.time("all_reduce", 4, 512) == pytest.approx(10e-6 * 18 / 6)
+
+
 def test_a_large_gradient_fills_many_ddp_buckets():
     from training.costmodel import comm_time
 
