@@ -193,6 +193,8 @@ def bench_planner() -> list[Row]:
                  "plan.calibrate=true", "only=[plan]", f"hydra.run.dir={name}")
             plan = json.loads((Path(tmp) / f"{name}/summary.json").read_text())["stages"]["plan"]["result"]
             predicted = next(p for p in plan["predictions"] if p["strategy"] == strategy and p["devices"] == nodes)
+            print(f"   {strategy} world {nodes}: " + next(r for r in plan["reasons"] if r.startswith("calibration")),
+                  flush=True)
             rows.append(Row(f"planner (calibrated on all 6 points), {strategy} world {nodes}: step time measured vs "
                             "predicted", measured[strategy, nodes].measured_step_s * 1e3,
                             predicted["step_time_s"] * 1e3, "ms", "within 15 %"))
