@@ -56,6 +56,8 @@ class RankInfo:
     cpu_count: int | None
     cpu_affinity: int | None
     """CPUs this process may run on."""
+    torch_threads: int
+    """torch's intra-op threads on this rank (the launcher gives each rank its share of the cores)."""
     host_mem_total_bytes: int | None
     host_mem_available_bytes: int | None
 

@@ -59,6 +59,7 @@ def collect_local() -> dict[str, Any]:
         "ib_ports": infiniband_ports(),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch_threads": torch.get_num_threads(),
     }
     facts.update(_cuda_facts())
     mem = host_memory()

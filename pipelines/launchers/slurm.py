@@ -94,7 +94,12 @@ class SlurmTask(submitit.helpers.Checkpointable):
             DEVICE_ENV: str(dist_env.local_rank),
         })
         # Intra-op threads default to every core of the node; the job was given cpus_per_task.
+        # torch is imported by now (unpickling the task), and OpenMP read its environment then:
+        # the variable alone would not take effect, so set torch's pool too (as Ray's workers do).
         os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK", "1"))
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
     def _rendezvous(self) -> Any:
         """The job's TCPStore, on a port the OS chose on the first node.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -24,6 +25,8 @@ def test_two_ranks_on_two_emulated_nodes_are_consistent() -> None:
     assert [r.node_name for r in result.ranks] == ["node0", "node1"]
     assert {r.backend for r in result.ranks} == {"gloo"}
     assert result.ranks[0].pid != result.ranks[1].pid
+    share = max(1, (os.cpu_count() or 1) // 2)  # each rank its share of the host's cores
+    assert [r.torch_threads for r in result.ranks] == [share, share]
     assert result.headline().startswith("2 ranks on 2 nodes, torch ")
     # The engine stores results as JSON and reads them back by field types.
     assert from_dict(EnvResult, json.loads(json.dumps(to_jsonable(result)))) == result

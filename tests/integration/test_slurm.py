@@ -76,6 +76,9 @@ def test_env_stage_sees_two_slurm_nodes(tmp_path):
     result = launcher.run(task(tmp_path, "stages.env_check:run", EnvInputs(EnvConfig()), "env"), WorldSpec(2, 1))
     assert result.nodes == 2 and result.world_size == 2
     assert sorted(r.node_name for r in result.ranks) == ["node1", "node2"]
+    # cpus_per_task=1: one intra-op thread per rank, not the node's every core (torch is imported
+    # before the job's environment is exported, so the variable alone would not take).
+    assert [r.torch_threads for r in result.ranks] == [1, 1]
     assert list(launcher.job_ids) == ["env"] and len(launcher.job_ids["env"]) == 1
 
 
