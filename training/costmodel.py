@@ -250,12 +250,14 @@ def comm_time(shape: Shape, strategy: str, d: Degrees, micro_batch: int, grad_ac
     n, world = d.dp, d.world
     units = fsdp_units(shape)
 
-    made = [0]
+    made = 0
 
-    def call(collective: str, nbytes: float, ranks: int, calls: int = 1) -> float:
+    def call(collective: str, nbytes: float, ranks: int, calls: int = 1, span: int = world) -> float:
+        """`calls` calls moving `nbytes` in all over `ranks`, on the link of a `span`-rank job."""
+        nonlocal made
         if ranks > 1 and nbytes > 0:
-            made[0] += calls
-        return link(collective, world).time(collective, nbytes, ranks, calls)
+            made += calls
+        return link(collective, span).time(collective, nbytes, ranks, calls)
 
     if n == 1:
         dp_s = 0.0
@@ -275,16 +277,13 @@ def comm_time(shape: Shape, strategy: str, d: Degrees, micro_batch: int, grad_ac
         dp_s = call("all_reduce", grads, n, ddp_buckets(grads, bucket_cap_bytes))
     activation = activation_tensor_bytes(micro_batch, shape.seq_len, shape.hidden, dtype_bytes)
     layers = math.ceil(shape.layers / d.pp)
-    tp_s = 0.0
-    if d.tp > 1:  # two all-reduces per block in forward, two in backward, per micro-batch
-        tp_calls = 4 * layers * grad_accum
-        tp_s = link("all_reduce", d.tp).time("all_reduce", activation * tp_calls, d.tp, tp_calls)
-        made[0] += tp_calls
-    pp_s = 0.0
-    if d.pp > 1:
-        pp_s = call("broadcast", activation / microbatches * 2 * microbatches * grad_accum, 2,
-                    2 * microbatches * grad_accum)
-    return Comm(dp_s, tp_s, pp_s, made[0])
+    # TP: two all-reduces per block in forward, two in backward, per micro-batch, inside a TP group.
+    tp_calls = 4 * layers * grad_accum
+    tp_s = call("all_reduce", activation * tp_calls, d.tp, tp_calls, span=d.tp)
+    # PP: each microbatch's activations forward and their gradients back, between two stages.
+    pp_calls = 2 * microbatches * grad_accum
+    pp_s = call("broadcast", activation / microbatches * pp_calls, 2, pp_calls) if d.pp > 1 else 0.0
+    return Comm(dp_s, tp_s, pp_s, made)
 
 
 # ---- step time ------------------------------------------------------------------------------
