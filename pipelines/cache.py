@@ -1,9 +1,15 @@
 """Stage results stored under content keys, written atomically.
 
 key = sha256(stage name, function, the stage's own resolved config, the digests of the upstream
-results it receives, the code version, the environment fingerprint). Upstream *result digests*
-rather than upstream keys: `force=[lr_find]` then re-runs downstream stages only when the forced
-result really changed.
+results it receives, the code version, the driver's environment fingerprint, and for a stage that
+runs on workers its placement: the launcher and the identity of the nodes it ran on, read there
+(pipelines/placement.py)). Upstream *result digests* rather than upstream keys: `force=[lr_find]`
+then re-runs downstream stages only when the forced result really changed. The placement keeps a
+cache shared by two clusters (or by launcher=local and a cluster) from answering one with the
+other's measurements.
+
+Each entry also records where it came from (`origin`: the invocation's run dir and MLflow run,
+the placement it was measured on, when), so that a cached stage says who first measured it.
 
 An entry is a directory `<cache_dir>/<stage>/<key>/` with `entry.json` and `artifacts/`. It is
 built under a temporary name and renamed into place, so a reader never sees half an entry, and a
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -25,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.configtools import from_dict, to_jsonable
+from training.files import write_atomic
 
 PACKAGES = ("pipelines", "stages", "training")
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,19 +66,26 @@ def code_version() -> str:
 
 @functools.cache
 def env_fingerprint() -> dict[str, Any]:
-    """The parts of the environment that change what a stage measures."""
-    import torch
+    """The driver's software: what a driver stage's result can depend on. Read from package
+    metadata, so that a fully cached invocation never imports torch. Where a worker stage ran is
+    its placement's business, not this."""
+    from pipelines.placement import torch_cuda_build
 
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = None
     return {
         "python": platform.python_version(),
         "machine": platform.machine(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "torch": torch_version,
+        "cuda": torch_cuda_build(),
     }
 
 
-def stage_key(name: str, fn: str, inputs: Any, upstream: dict[str, str], extra: dict[str, Any] | None = None) -> str:
+def stage_key(name: str, fn: str, inputs: Any, upstream: dict[str, str], extra: dict[str, Any] | None = None,
+              placement: str | None = None) -> str:
+    """The content key; `placement` is the fingerprint of the workers a non-driver stage runs on."""
     return digest(
         {
             "stage": name,
@@ -79,6 +94,7 @@ def stage_key(name: str, fn: str, inputs: Any, upstream: dict[str, str], extra: 
             "upstream": upstream,
             "code": code_version(),
             "env": env_fingerprint(),
+            "placement": placement,
             "extra": extra or {},
         }
     )[:24]
@@ -91,6 +107,9 @@ class Entry:
     metrics: list[tuple[str, float, int]]
     seconds: float
     artifacts: Path
+    origin: dict[str, Any] | None = None
+    """Who measured it: the invocation's run dir and MLflow run, its placement, when (None for
+    entries written before origins were recorded)."""
 
 
 class Cache:
@@ -109,7 +128,7 @@ class Cache:
         except (OSError, ValueError, KeyError, TypeError):
             return None
         metrics = [(k, float(v), int(s)) for k, v, s in data["metrics"]]
-        return Entry(key, result, metrics, float(data["seconds"]), path / "artifacts")
+        return Entry(key, result, metrics, float(data["seconds"]), path / "artifacts", data.get("origin"))
 
     def checkpoints(self, stage: str, key: str) -> Path:
         """Where a run of this key keeps its checkpoints: the same path when it re-runs after a
@@ -129,19 +148,31 @@ class Cache:
         (path / "artifacts").mkdir(parents=True)
         return path
 
-    def commit(self, staging: Path, stage: str, key: str, result: Any, metrics: list, seconds: float) -> Entry:
+    def commit(self, staging: Path, stage: str, key: str, result: Any, metrics: list, seconds: float,
+               origin: dict[str, Any] | None = None) -> Entry:
         """Write entry.json into `staging`, then rename it into place in one step."""
-        payload = {"result": to_jsonable(result), "metrics": metrics, "seconds": seconds, "created": time.time()}
-        tmp = staging / "entry.json.tmp"
-        tmp.write_text(json.dumps(payload, default=str))
-        os.replace(tmp, staging / "entry.json")
+        payload = {"result": to_jsonable(result), "metrics": metrics, "seconds": seconds, "created": time.time(),
+                   "origin": origin}
+        write_atomic(staging / "entry.json", json.dumps(payload, default=str).encode())
         final = self.path(stage, key)
         try:
             os.rename(staging, final)
         except OSError:
             # Another invocation committed the same key first: its entry is equally valid.
             shutil.rmtree(staging, ignore_errors=True)
-        return Entry(key, result, metrics, seconds, final / "artifacts")
+        return Entry(key, result, metrics, seconds, final / "artifacts", origin)
+
+    def last_placement(self, scope: str) -> dict[str, Any] | None:
+        """The placement an earlier invocation recorded for `scope` (launcher and world), if any."""
+        try:
+            return json.loads((self.root / "placements" / f"{scope}.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def record_placement(self, scope: str, data: dict[str, Any]) -> None:
+        path = self.root / "placements" / f"{scope}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(data, indent=1).encode())
 
     def discard(self, staging: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)

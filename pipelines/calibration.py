@@ -12,19 +12,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import socket
 import statistics
 from typing import Any
 
 from pipelines.configtools import to_jsonable
+from pipelines.placement import Placement
 from pipelines.tracking import run_summaries
 from training.costmodel import COSTMODEL_VERSION, MeasuredStep, StepPrediction
 
 
-def calibration_key(cfg: Any) -> str:
+def calibration_key(cfg: Any, placement: Placement | None) -> str:
     """The fingerprint of what the cost model's errors depend on (not the strategy or the world:
-    those are what calibration generalises over)."""
+    those are what calibration generalises over). Where it ran is the workers' kind of node, read
+    on them (Placement.hardware_class: the launcher and the nodes' hardware and software, without
+    their names or number, so that one cluster's runs of every size calibrate each other); never
+    the driver's host, which on a cluster is a login node."""
     facts = {
         # Components predicted by another version of the model can't be scaled like this one's.
         "costmodel": COSTMODEL_VERSION,
@@ -36,10 +38,7 @@ def calibration_key(cfg: Any) -> str:
         "batch": [cfg.train.micro_batch, cfg.train.global_batch, cfg.train.grad_accum],
         "launcher": [cfg.launcher.name, cfg.launcher.partition, cfg.launcher.address],
         "procs_per_node": cfg.procs_per_node,
-        # launcher=local measures this machine: its name and size say which one. Ray and Slurm
-        # drivers move between hosts; their cluster is named by the launcher fields above.
-        "host": [socket.gethostname(), os.cpu_count()] if cfg.cluster.measured and cfg.launcher.name == "local"
-        else None,
+        "workers": placement.hardware_class if placement is not None and cfg.cluster.measured else None,
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -129,11 +129,10 @@ def write_run_config(run_dir: Path, cfg: Any, overrides: list[str]) -> Path:
 
     from pipelines.configtools import to_jsonable
     from pipelines.redact import redact_override, redact_tree
+    from training.files import write_atomic
 
     path = run_dir / "config.yaml"
     run_dir.mkdir(parents=True, exist_ok=True)
     data = {"overrides": [redact_override(o) for o in overrides], "config": redact_tree(to_jsonable(cfg))}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(data)))
-    tmp.replace(path)
+    write_atomic(path, OmegaConf.to_yaml(OmegaConf.create(data)))
     return path

@@ -7,7 +7,6 @@ a stage sees its own frozen config and its upstream results, nothing else.
 from __future__ import annotations
 
 import json
-import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -20,10 +19,12 @@ from pipelines.configtools import flatten, to_jsonable
 from pipelines.dag import Dag, Stage, build, stage_inputs
 from pipelines.launchers import Launcher, StageFailed, Task, WorldSpec, make_launcher
 from pipelines.launchers.worker import run_task
+from pipelines.placement import Placement, diff, from_json, placement_tags, to_json
 from pipelines.progress import StageProgress, progress_file
 from pipelines.redact import redact_mapping, redact_text
 from pipelines.schema import Config
 from pipelines.tracking import SUMMARY_ARTIFACT, Tracker, git_commit, make_tracker
+from training.files import write_atomic
 
 SUMMARY = SUMMARY_ARTIFACT  # the run dir's file is the one logged at the root of its MLflow run
 
@@ -39,6 +40,15 @@ class Outcome:
     baseline: dict[str, Any] | None = None
     entry: Entry | None = field(default=None, repr=False)
     """The cache entry behind a ran or cached outcome (its metrics and artifacts are logged)."""
+    placement: dict[str, Any] | None = None
+    """Where a worker stage's result was measured (Placement.describe); None for driver stages."""
+
+    @property
+    def measured_by(self) -> dict[str, Any] | None:
+        """For a cached outcome: the invocation that measured it (run dir, MLflow run, placement)."""
+        if self.status != "cached" or self.entry is None:
+            return None
+        return self.entry.origin
 
     def as_json(self) -> dict[str, Any]:
         data = {
@@ -50,6 +60,10 @@ class Outcome:
         }
         if self.baseline is not None:
             data["baseline"] = self.baseline
+        if self.placement is not None:
+            data["placement"] = self.placement
+        if self.measured_by is not None:
+            data["measured_by"] = self.measured_by
         return data
 
 
@@ -77,6 +91,9 @@ class Runner:
         self.cache = Cache(cfg.cache_dir)
         self.cache.sweep_stale()
         self.world = WorldSpec(cfg.nodes, cfg.procs_per_node)
+        self.placement: Placement | None = None
+        """Where this invocation's worker stages run, read once, when the first of them starts."""
+        self.placement_changes: list[str] = []
 
     def run(self) -> Summary:
         summary = Summary()
@@ -116,7 +133,30 @@ class Runner:
             return f"{self.world.size} ranks ({self.cfg.nodes} nodes x {self.cfg.procs_per_node}) on launcher={self.cfg.launcher.name}"
         return "one device" if resources == "one_device" else "driver"
 
+    def _placement(self) -> Placement:
+        """The pre-flight re-check: where the worker stages run, read there now (launcher=local:
+        this machine, from the driver; Ray and Slurm: on the workers). Compared with what the last
+        invocation on this launcher and world saw; a change is reported and, being in every worker
+        stage's key, re-runs what was measured on the old fleet."""
+        if self.placement is None:
+            placement = self.launcher.placement(self.world)
+            scope = f"{placement.launcher}-{self.world.nodes}x{self.world.procs_per_node}"
+            last = self.cache.last_placement(scope)
+            if last is not None and last.get("fingerprint") != placement.fingerprint:
+                self.placement_changes = diff(from_json(last["placement"]), placement)
+                self.echo(f"placement changed since the last run on launcher={placement.launcher}: "
+                          + "; ".join(self.placement_changes))
+            self.cache.record_placement(scope, {"fingerprint": placement.fingerprint, "placement": to_json(placement)})
+            self.placement = placement
+            self.tracker.set_tags({**placement_tags(placement), "calibration_key": calibration_key(self.cfg, placement)})
+        return self.placement
+
     def _stage(self, stage: Stage, done: dict[str, Outcome], force: bool) -> Outcome:
+        if stage.spec.resources != "driver":
+            try:
+                self._placement()
+            except StageFailed as err:
+                return Outcome("failed", error=f"placement: {err}")
         inputs = stage_inputs(stage, self.cfg)
         kwargs = {n: done[n].result for n in stage.spec.needs}
         upstream = {n: digest(done[n].result) for n in stage.spec.needs}
@@ -143,7 +183,7 @@ class Runner:
     def _history(self) -> list:
         """Earlier runs for calibration; a store that can't answer now means none, not a crash."""
         try:
-            return self.tracker.history(calibration_key(self.cfg))
+            return self.tracker.history(calibration_key(self.cfg, self.placement))
         except Exception as err:  # noqa: BLE001 - any MLflow failure
             self.echo(f"warning: no calibration history ({type(err).__name__}: {redact_text(str(err))[:200]}); "
                       "planning uncalibrated")
@@ -157,10 +197,16 @@ class Runner:
     def _run_or_load(self, stage, inputs, kwargs, upstream, world: WorldSpec, force: bool, variant: str | None) -> Outcome:
         name = f"{stage.name}-{variant}" if variant else stage.name
         extra = {"world": [world.nodes, world.procs_per_node]} if stage.spec.resources == "world" else {}
-        key = stage_key(name, stage.spec.fn, inputs, upstream, extra)
+        placement = None
+        if stage.spec.resources != "driver":
+            assert self.placement is not None, "a worker stage's placement is read before its key"
+            placement = self.placement if world.size > 1 else self.placement.first_node()
+        key = stage_key(name, stage.spec.fn, inputs, upstream, extra,
+                        placement.fingerprint if placement is not None else None)
+        where = placement.describe() if placement is not None else None
         entry = None if force or not stage.spec.cache else self.cache.load(name, key, stage.result_type)
         if entry is not None:
-            return Outcome("cached", entry.seconds, key, result=entry.result, entry=entry)
+            return Outcome("cached", entry.seconds, key, result=entry.result, entry=entry, placement=where)
         staging = self.cache.staging(name)
         checkpoints = self.cache.checkpoints(name, key)
         if stage.wants_checkpoints:
@@ -178,15 +224,17 @@ class Runner:
             result = self._launch(stage, task, world)
         except StageFailed as err:
             self.cache.discard(staging)
-            return Outcome("failed", time.perf_counter() - start, key, error=str(err))
+            return Outcome("failed", time.perf_counter() - start, key, error=str(err), placement=where)
         seconds = time.perf_counter() - start
         metrics = list(result.metrics()) if hasattr(result, "metrics") else []
+        origin = {"run_dir": str(self.run_dir), "mlflow_run_id": self.tracker.run_id, "measured_at": round(time.time(), 3),
+                  "placement": where}
         if not stage.spec.cache:  # logged and published from staging, then discarded (Runner.run)
-            return Outcome("ran", seconds, key, result=result, entry=Entry(key, result, metrics, seconds,
-                                                                           staging / "artifacts"))
-        entry = self.cache.commit(staging, name, key, result, metrics, seconds)
+            return Outcome("ran", seconds, key, result=result, placement=where,
+                           entry=Entry(key, result, metrics, seconds, staging / "artifacts", origin))
+        entry = self.cache.commit(staging, name, key, result, metrics, seconds, origin)
         self.cache.discard(checkpoints)  # the result is stored: nothing left to resume
-        return Outcome("ran", seconds, key, result=result, entry=entry)
+        return Outcome("ran", seconds, key, result=result, entry=entry, placement=where)
 
     def _launch(self, stage: Stage, task: Task, world: WorldSpec) -> Any:
         if stage.spec.resources != "driver":
@@ -202,6 +250,14 @@ class Runner:
     def _log(self, stage: Stage, outcome: Outcome) -> None:
         entry = outcome.entry
         tags = {"cached": str(outcome.status == "cached").lower(), "cache_key": outcome.key or ""}
+        if outcome.placement is not None:
+            tags.update({"placement.launcher": outcome.placement["launcher"],
+                         "placement.fingerprint": outcome.placement["fingerprint"],
+                         "placement.hosts": ",".join(outcome.placement["hosts"])})
+        origin = outcome.measured_by
+        if origin is not None:
+            tags.update({"measured_by.run_dir": origin.get("run_dir") or "",
+                         "measured_by.mlflow_run_id": origin.get("mlflow_run_id") or ""})
         if outcome.error:
             tags["error"] = redact_text(outcome.error)[:5000]
         params = redact_mapping(flatten(to_jsonable(stage_inputs(stage, self.cfg))))
@@ -220,15 +276,16 @@ class Runner:
             if stage in stages:
                 stages[stage].setdefault("jobs", []).extend(ids)
         payload = {
-            "run": run_facts(self.cfg),
+            "run": run_facts(self.cfg, self.placement),
+            "placement": None if self.placement is None else {**self.placement.describe(),
+                                                             "nodes": to_json(self.placement)["nodes"],
+                                                             "changed": self.placement_changes},
             "stages": stages,
             "mlflow_run_id": summary.mlflow_run_id,
             "ok": summary.ok,
             "run_dir": str(self.run_dir),
         }
-        tmp = path.with_name(SUMMARY + ".tmp")
-        tmp.write_text(json.dumps(payload, indent=2, default=str))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(payload, indent=2, default=str))
         summary.path = path
         self.tracker.finish(summary.ok, [path])
 
@@ -257,7 +314,7 @@ def global_batch(cfg: Config) -> int:
     return cfg.train.micro_batch_for(dp) * cfg.train.grad_accum * dp
 
 
-def run_facts(cfg: Config) -> dict[str, Any]:
+def run_facts(cfg: Config, placement: Placement | None = None) -> dict[str, Any]:
     """What this invocation was, for summary.json's `run` block and a study's rows."""
     return {
         "study": cfg.study,
@@ -271,6 +328,8 @@ def run_facts(cfg: Config) -> dict[str, Any]:
         "data": cfg.data.name,
         "cluster": cfg.cluster.name,
         "launcher": cfg.launcher.name,
+        # Where its measurements were made: the same sweep on two clusters is two variants.
+        "placement": None if placement is None else f"{placement.launcher}@{placement.fingerprint[:12]}",
         "seed": cfg.seed,
         "finished_at": round(time.time(), 3),
     }
@@ -289,7 +348,7 @@ def run_pipeline(cfg: Config, run_dir: Path, echo=print) -> Summary:
     world = cfg.nodes * cfg.procs_per_node
     facts = run_facts(cfg)
     tags = {"kind": "compare" if cfg.pipeline.name == "compare" else "invocation",
-            "calibration_key": calibration_key(cfg)}
+            "calibration_key": calibration_key(cfg, None)}
     if cfg.study:
         tags["study"] = cfg.study
     if study_run:

@@ -153,6 +153,7 @@ class RedactSweepConfig(Callback):
         from omegaconf import OmegaConf
 
         from pipelines.redact import redact_override, redact_tree
+        from training.files import write_atomic
 
         try:
             path = Path(str(config.hydra.sweep.dir)) / "multirun.yaml"
@@ -165,6 +166,4 @@ class RedactSweepConfig(Callback):
         if task:
             data["hydra"]["overrides"]["task"] = [redact_override(o) for o in task]
         masked = redact_tree(data)  # hydra's own part too: override_dirname repeats the overrides
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(masked)))
-        tmp.replace(path)
+        write_atomic(path, OmegaConf.to_yaml(OmegaConf.create(masked)))

@@ -34,6 +34,8 @@ class Tracker(Protocol):
 
     def start(self, name: str, params: dict[str, Any], tags: dict[str, str]) -> None: ...
 
+    def set_tags(self, tags: dict[str, str]) -> None: ...
+
     def log_stage(
         self,
         stage: str,
@@ -59,6 +61,9 @@ class NullTracker:
         return []
 
     def start(self, name: str, params: dict[str, Any], tags: dict[str, str]) -> None:
+        pass
+
+    def set_tags(self, tags: dict[str, str]) -> None:
         pass
 
     def log_stage(self, stage, status, tags, params, metrics, artifacts) -> None:  # noqa: ANN001
@@ -138,6 +143,13 @@ class MlflowTracker:
         run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
         self.run_id = run.info.run_id
         self._log(self.run_id, params=params)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Tags learnt after the run started (where its worker stages run)."""
+        from mlflow.entities import RunTag
+
+        assert self.run_id is not None, "set_tags before start"
+        self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
     def log_stage(self, stage, status, tags, params, metrics, artifacts) -> None:  # noqa: ANN001
         assert self.run_id is not None, "log_stage before start"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -14,6 +13,7 @@ from pipelines.progress import PROGRESS_ENV
 from training.config import DataConfig, ModelConfig
 from training.data import make_pool
 from training.dist import device
+from training.files import write_atomic
 from training.models import build_model
 
 
@@ -43,7 +43,5 @@ def progress(stage: str, message: str) -> None:
     log(stage, message)
     path = os.environ.get(PROGRESS_ENV)
     if path and os.environ.get("RANK", "0") == "0":
-        tmp = f"{path}.tmp"
         with contextlib.suppress(OSError):  # a status line is never worth failing the stage
-            Path(tmp).write_text(message)
-            os.replace(tmp, path)
+            write_atomic(path, message)

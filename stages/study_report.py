@@ -18,7 +18,7 @@ from typing import Any
 
 GIB = 1024**3
 POINT_FACTS = ("pipeline", "strategy", "nodes", "procs_per_node", "world_size", "global_batch", "model", "data",
-               "cluster", "launcher")
+               "cluster", "launcher", "placement")
 """What makes two invocations the same point of a study (the run block minus ids, seed and time)."""
 COLUMNS = ("strategy", "nodes", "devices", "samples/s", "samples/s/device", "efficiency", "MFU %",
            "peak GiB/device", "final loss", "step-time error %", "status")

@@ -10,7 +10,6 @@ shards are per-rank files and need the same world.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from training.dist import is_dist, is_main, rank
+from training.files import write_atomic
 from training.loop import Resume
 
 LATEST = "latest.json"
@@ -63,9 +63,7 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     if is_main():
         meta = {"step": step, "losses": losses, "lrs": lrs, "path": path.name,
                 "strategy": layout.strategy, "world_size": layout.world_size}
-        tmp = root / f"{LATEST}.tmp"
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, root / LATEST)
+        write_atomic(root / LATEST, json.dumps(meta))
     _barrier()
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from pipelines.placement import Placement
 
 
 class StageFailed(RuntimeError):
@@ -38,8 +41,20 @@ class Task:
 
 
 class Launcher(Protocol):
+    def placement(self, world: WorldSpec) -> Placement:
+        """The launcher and the identity of the nodes `world` runs on, read where it runs (the
+        pre-flight re-check every invocation makes before trusting a cached measurement)."""
+
     def run(self, task: Task, world: WorldSpec) -> Any:
         """Run `task` on every rank of `world`; rank 0's return value, or raise StageFailed."""
 
     def close(self) -> None:
         """Release whatever the launcher started (clusters, daemons)."""
+
+
+def probe_placement(launcher: Launcher, name: str, backend: str, world: WorldSpec, workdir: Path) -> Placement:
+    """A placement read on the launcher's own workers: every rank reports its node's identity."""
+    from pipelines.placement import Placement, per_node
+
+    ranks = launcher.run(Task(stage="placement", fn="pipelines.placement:probe", inputs=None, workdir=workdir), world)
+    return Placement(name, backend, per_node(ranks))

@@ -7,6 +7,7 @@ failed stage kills exactly the processes it started, children included, and none
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -28,6 +29,7 @@ from pipelines.launchers.worker import (
     RESULT_FILE,
     TIMEOUT_ENV,
 )
+from pipelines.placement import NodeIdentity, Placement, node_identity, resolved_backend
 from pipelines.schema import LauncherConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,6 +124,17 @@ class LocalLauncher:
             if all(c == 0 for c in codes):
                 return
             time.sleep(POLL_S)
+
+    def identity(self) -> NodeIdentity:
+        """This machine, which every emulated node shares (a test may present another)."""
+        return node_identity()
+
+    def placement(self, world: WorldSpec) -> Placement:
+        """Read in the driver: the workers run on this machine, so the re-check costs nothing.
+        Emulated nodes are named `<host>/node<i>`, as the env stage sees them."""
+        me = self.identity()
+        nodes = [dataclasses.replace(me, name=f"{me.hostname}/node{i}") for i in range(world.nodes)]
+        return Placement("local", resolved_backend(self.cfg.backend, me), nodes)
 
     def close(self) -> None:
         pass

@@ -15,6 +15,7 @@ artifacts, logs) must sit at the same path on every node, e.g. on a shared files
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import math
 import os
@@ -38,10 +39,12 @@ import torch
 from ray.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from pipelines.launchers.base import StageFailed, Task, WorldSpec
-from pipelines.launchers.worker import ERROR_FILE, RESULT_FILE, run_task, write_atomic
+from pipelines.launchers.base import StageFailed, Task, WorldSpec, probe_placement
+from pipelines.launchers.worker import ERROR_FILE, RESULT_FILE, run_task
+from pipelines.placement import Placement, resolved_backend
 from pipelines.schema import LauncherConfig
 from training.config import ConfigError
+from training.files import write_atomic
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULT_KEY = "scalestudy_result"
@@ -143,6 +146,11 @@ class RayLauncher:
         if encoded is None:
             raise StageFailed(f"{task.stage}: rank 0 finished but reported no result (logs: {workdir}/rank0.log)")
         return pickle.loads(base64.b64decode(encoded))
+
+    def placement(self, world: WorldSpec) -> Placement:
+        """Read on the workers themselves: a probe task on `world`."""
+        found = probe_placement(self, "ray", self.cfg.backend, world, self.run_dir / "logs" / "placement")
+        return dataclasses.replace(found, backend=resolved_backend(self.cfg.backend, found.nodes[0]))
 
     def close(self) -> None:
         """Stop the Ray instance this launcher started; from a joined cluster, only disconnect

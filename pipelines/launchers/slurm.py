@@ -14,6 +14,7 @@ distributed checkpoint. Job logs (one stdout/stderr pair per task) go to `<run_d
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from typing import Any
 
 import submitit
 
-from pipelines.launchers.base import StageFailed, Task, WorldSpec
+from pipelines.launchers.base import StageFailed, Task, WorldSpec, probe_placement
 from pipelines.launchers.worker import (
     BACKEND_ENV,
     DEVICE_ENV,
@@ -34,8 +35,10 @@ from pipelines.launchers.worker import (
     setup_torch,
     teardown_torch,
 )
+from pipelines.placement import Placement, resolved_backend
 from pipelines.schema import LauncherConfig
 from training.config import ConfigError
+from training.files import write_atomic
 
 ROOT = Path(__file__).resolve().parents[2]
 SIGNAL_DELAY_S = 90
@@ -121,9 +124,7 @@ class SlurmTask(submitit.helpers.Checkpointable):
         if env.global_rank == 0:
             store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout,
                                   wait_for_workers=False)
-            staging = port_file.with_suffix(".tmp")
-            staging.write_text(str(store.port))
-            staging.rename(port_file)
+            write_atomic(port_file, str(store.port))
         else:
             deadline = time.monotonic() + self.timeout_s
             while not port_file.exists():
@@ -249,6 +250,11 @@ class SlurmLauncher:
             if state == "PENDING" and elapsed >= PENDING_CHECK_S:
                 _fail_if_hopeless(job.job_id, stage)
             time.sleep(self.cfg.poll_s)
+
+    def placement(self, world: WorldSpec) -> Placement:
+        """Read on the workers themselves: a probe task on `world`."""
+        found = probe_placement(self, "slurm", self.cfg.backend, world, self.run_dir / "logs" / "placement")
+        return dataclasses.replace(found, backend=resolved_backend(self.cfg.backend, found.nodes[0]))
 
     def close(self) -> None:
         pass

@@ -22,6 +22,7 @@ from typing import Any
 
 from pipelines.launchers.base import Task
 from pipelines.progress import PROGRESS_ENV, progress_file
+from training.files import write_atomic
 
 RESULT_FILE = "result.pkl"
 ERROR_FILE = "error-rank{rank}.json"
@@ -92,12 +93,6 @@ def run_task(task: Task) -> Any:
         kwargs["artifacts"] = task.artifacts if rank == 0 else Path(task.workdir) / f"scratch-rank{rank}"
         Path(kwargs["artifacts"]).mkdir(parents=True, exist_ok=True)
     return fn(task.inputs, **kwargs)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def main(task_file: str) -> int:

@@ -58,3 +58,11 @@ def test_an_invocation_that_chose_not_to_train_is_no_study_point():
     planned = summary("ddp", 2, 9.0)
     planned["stages"]["train"] = {"status": "skipped", "error": "not selected by only=[...]", "result": None}
     assert StudyRun.from_summary(planned) is None
+
+
+def test_the_same_point_measured_on_two_placements_is_two_variants():
+    local, cluster = summary("ddp", 2, 1.0), summary("ddp", 2, 2.0, samples_per_s=400.0)
+    local["run"]["placement"], cluster["run"]["placement"] = "local@d5458a0f4b0b", "slurm@77aa01c2e3f4"
+    rows = table_rows(latest_per_point([StudyRun.from_summary(local), StudyRun.from_summary(cluster)]))
+    assert [(r["variant"], r["samples/s"]) for r in rows] == [("placement=local@d5458a0f4b0b", 100.0),
+                                                              ("placement=slurm@77aa01c2e3f4", 400.0)]
