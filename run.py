@@ -41,7 +41,7 @@ def app(dcfg: DictConfig) -> None:
             from training.parallel.dryrun import format_layout, plan_layout
 
             world = cfg.nodes * cfg.procs_per_node
-            print(format_layout(plan_layout(cfg.model, cfg.data, cfg.strategy, world), cfg.strategy, world))
+            print(format_layout(plan_layout(cfg.model, cfg.strategy, world), cfg.strategy, world))
             EXIT_CODES.append(0)
             return
         hydra_cfg = HydraConfig.get()

@@ -48,10 +48,10 @@ class Row:
 def bench_train_loop() -> list[Row]:
     """1. The train stage's steady-state samples/s vs a minimal hand-written loop, world 2."""
     rows = []
-    model = ModelConfig(d_model=128, n_layers=4, n_heads=4, seq_len=64)
+    model = ModelConfig(kwargs=dict(vocab_size=256, d_model=128, n_layers=4, n_heads=4, seq_len=64))
     train = TrainConfig(steps=40, micro_batch=8, lr=1e-3, log_every=10, timing_warmup=5, schedule="constant")
     for name in ("ddp", "zero3"):
-        inputs = TrainInputs(train, model, DataConfig(num_samples=1024), StrategyConfig(name=name), seed=0)
+        inputs = TrainInputs(train, model, DataConfig(kwargs=dict(num_samples=1024, seq_len=64, vocab_size=256)), StrategyConfig(name=name), seed=0)
         got = run_world("benchmarks.workers:train_vs_hand", inputs, world=2, timeout_s=600)
         rows.append(Row(f"train loop, {name}, world 2 (samples/s: train stage vs hand-written)",
                         got["ours"], got["theirs"], "samples/s", ">= 0.98"))

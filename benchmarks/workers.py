@@ -14,15 +14,16 @@ import torch.distributed as dist
 
 from stages.train import TrainInputs
 from stages.train import run as train_stage
-from training.data import GlobalBatches, make_pool
+from training.data import GlobalBatches, build_dataset
 from training.dist import device, rank, synchronize, world_size
-from training.models import build_model, loss_fn
+from training.models import build_model
 
 
 def hand_written_loop(inputs: TrainInputs) -> float:
-    """The same model, batches and strategy as plain PyTorch: samples/s after warm-up."""
+    """The same model, batches and strategy as plain PyTorch (a DataLoader over the same samples,
+    cross-entropy, clipping, AdamW): samples/s after warm-up."""
     t, dev = inputs.train, device()
-    model = build_model(inputs.model, inputs.data, inputs.seed).to(dev)
+    model = build_model(inputs.model, inputs.seed).to(dev)
     if inputs.strategy.name == "zero3":
         from torch.distributed.fsdp import fully_shard
 
@@ -31,15 +32,16 @@ def hand_written_loop(inputs: TrainInputs) -> float:
         fully_shard(model)
     elif world_size() > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    x, y = (p.to(dev) for p in make_pool(inputs.data, inputs.model, inputs.seed))
+    dataset = build_dataset(inputs.data)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr)
-    batches = GlobalBatches(inputs.data.num_samples, t.micro_batch, 1, rank(), world_size(), inputs.seed)
-    for step in range(t.steps):
+    batches = GlobalBatches(len(dataset), t.micro_batch, 1, rank(), world_size(), inputs.seed)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=[batches.rows(s, 0).tolist() for s in range(t.steps)])
+    for step, (x, y) in enumerate(loader):
         if step == t.timing_warmup:
             synchronize(dev)
             start = time.perf_counter()
-        rows = batches.rows(step, 0).to(dev)
-        loss_fn(model, x[rows], y[rows]).backward()
+        logits = model(x.to(dev))
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.to(dev).reshape(-1)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -50,7 +52,8 @@ def hand_written_loop(inputs: TrainInputs) -> float:
 def train_vs_hand(inputs: TrainInputs, repeats: int = 5) -> dict:
     """Median samples/s of the train stage and of the hand-written loop, alternating."""
     ours, theirs = [], []
-    plan, lr_find = SimpleNamespace(flops_per_sample=1.0), SimpleNamespace(suggested_lr=inputs.train.lr, lr_scaling="none", finder_batch=8)
+    plan = SimpleNamespace(flops_per_sample=1.0, prediction=lambda strategy, world: None)
+    lr_find = SimpleNamespace(suggested_lr=inputs.train.lr, lr_scaling="none", finder_batch=8)
     for _ in range(repeats):
         ckpt = Path(tempfile.mkdtemp())
         ours.append(train_stage(inputs, plan=plan, lr_find=lr_find, baseline=None, checkpoints=ckpt).samples_per_s)

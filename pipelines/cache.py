@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -62,6 +63,41 @@ def code_version() -> str:
             h.update(str(path.relative_to(ROOT)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()[:16]
+
+
+@functools.cache
+def _installed(top: str) -> str | None:
+    names = importlib.metadata.packages_distributions().get(top)
+    if not names:
+        return None
+    return f"{names[0]}=={importlib.metadata.version(names[0])}"
+
+
+@functools.cache
+def package_code(top: str) -> str:
+    """What identifies the code of top-level package `top`: its installed distribution and version,
+    or, for a user's package on PYTHONPATH, a hash of its Python sources. This project's own
+    packages are code_version()'s."""
+    spec = importlib.util.find_spec(top)
+    if spec is None:
+        return "not found"
+    # A package's directory, or a single module's file.
+    root = Path(next(iter(spec.submodule_search_locations))) if spec.submodule_search_locations else Path(spec.origin or ".")
+    if {"site-packages", "dist-packages"} & set(root.parts):
+        return _installed(top) or str(root)
+    files = sorted(root.rglob("*.py")) if root.is_dir() else [root]
+    h = hashlib.sha256()
+    for file in files:
+        h.update(str(file.relative_to(root.parent)).encode())
+        h.update(file.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def targets_code(targets: list[str]) -> dict[str, str]:
+    """The code behind each `_target_` outside this project (a user's model or data set, or a
+    library such as transformers): a stage whose result depends on it re-runs when it changes."""
+    tops = sorted({t.split(".")[0] for t in targets if t} - set(PACKAGES))
+    return {top: package_code(top) for top in tops}
 
 
 @functools.cache

@@ -32,22 +32,31 @@ class UserError(Exception):
 def load(data: dict[str, Any]) -> Config:
     """The frozen, resolved Config from a composed plain dict; ConfigError on any problem."""
     data = {k: v for k, v in data.items() if k != "hydra"}
-    cfg = resolve(from_dict(Config, data))
-    build(cfg.pipeline)
-    return cfg
+    cfg = from_dict(Config, data)
+    dag = build(cfg.pipeline)
+    return resolve(cfg, uses_model=dag.uses("model"))
+
+
+CONFIG_DIR_FLAGS = ("--config-dir", "-cd")
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], bool, bool]:
-    """(overrides, multirun, info_only) from Hydra's command line."""
+    """(overrides, multirun, info_only) from Hydra's command line. A user's `--config-dir` (their
+    own YAMLs, e.g. conf/model/my_vit.yaml) becomes the search-path override Hydra gives it."""
     overrides, multirun, info = [], False, False
     skip = False
-    for arg in argv:
+    for i, arg in enumerate(argv):
         if skip:
             skip = False
             continue
-        if arg in ("-m", "--multirun"):
+        flag, _, value = arg.partition("=")
+        if flag in CONFIG_DIR_FLAGS:
+            value = value or (argv[i + 1] if i + 1 < len(argv) else "")
+            skip = "=" not in arg
+            overrides.append(f"hydra.searchpath=[file://{Path(value).resolve()}]")
+        elif arg in ("-m", "--multirun"):
             multirun = True
-        elif arg in INFO_FLAGS or arg.split("=")[0] in INFO_FLAGS:
+        elif arg in INFO_FLAGS or flag in INFO_FLAGS:
             info = True
             skip = arg in ("--cfg", "-c")
         elif arg in FLAGS_WITH_VALUE:
@@ -86,7 +95,7 @@ def precheck(argv: list[str]) -> None:
         raise UserError(one_line(err)) from None
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for point in points:
-            own = [o for o in point if not re.match(r"^[+~]*hydra[./]", o)]
+            own = [o for o in point if not re.match(r"^[+~]*hydra[./]", o) or o.startswith("hydra.searchpath=")]
             try:
                 composed = compose(config_name="config", overrides=own)
                 cfg = load(OmegaConf.to_container(composed, resolve=True))

@@ -5,6 +5,10 @@ node"), yet stages must get frozen configs. So the frozen dataclasses are the si
 truth; `hydra_schema` derives a mutable twin for the ConfigStore (types and defaults only), and
 `from_dict` builds the frozen objects back from the composed config, running each class's
 `__post_init__` checks and rejecting keys no schema knows (Hydra accepts `+foo=1` silently).
+
+A `TargetConfig` group (model, data: Hydra's `_target_` plus the factory's own keyword arguments)
+is open: its schema twin is a plain dict, `from_dict` keeps the keys it declares and hands every
+other one to the factory as `kwargs`, and `to_jsonable` writes it back in that same flat form.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import types
 import typing
 from typing import Any, Union
 
-from training.config import ConfigError
+from training.config import TARGET_KEY, ConfigError, TargetConfig
 
 _NONE = type(None)
 
@@ -40,6 +44,11 @@ def hydra_schema(cls: type) -> type:
             specs.append((f.name, tp, dataclasses.field(default=f.default)))
         elif f.default_factory is not dataclasses.MISSING:
             factory = f.default_factory
+            if _is_target_config(factory):
+                # The declared keys' defaults, but no _target_: a group option must name its own.
+                defaults = {k: v for k, v in to_jsonable(factory()).items() if k != TARGET_KEY}
+                specs.append((f.name, tp, dataclasses.field(default_factory=lambda d=defaults: dict(d))))
+                continue
             if dataclasses.is_dataclass(factory):
                 twin = hydra_schema(factory)
                 specs.append((f.name, tp, dataclasses.field(default_factory=twin)))
@@ -52,6 +61,8 @@ def hydra_schema(cls: type) -> type:
 
 def _twin_type(tp: Any) -> Any:
     inner, optional = _unwrap_optional(tp)
+    if _is_target_config(inner):
+        return typing.Optional[dict[str, Any]] if optional else dict[str, Any]  # noqa: UP045
     if dataclasses.is_dataclass(inner):
         twin = hydra_schema(inner)
         return typing.Optional[twin] if optional else twin  # noqa: UP045 (OmegaConf needs Optional)
@@ -65,10 +76,32 @@ def _twin_type(tp: Any) -> Any:
     return typing.Optional[inner] if optional else inner  # noqa: UP045
 
 
+def _is_target_config(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, TargetConfig)
+
+
+def _split_target(cls: type, data: dict[str, Any], path: str) -> dict[str, Any]:
+    """`{_target_, <declared keys>, <anything else>}` -> the dataclass's fields, the rest as kwargs."""
+    declared = {f.name for f in dataclasses.fields(cls)} - {"target", "kwargs"}
+    if "target" in data or "kwargs" in data:
+        bad = "target" if "target" in data else "kwargs"
+        raise ConfigError(f"{path}.{bad}" if path else bad, data[bad], f"is reserved; name the factory with "
+                          f"{TARGET_KEY} and give its arguments as keys of {path or 'the group'}")
+    if TARGET_KEY not in data:
+        raise ConfigError(f"{path}.{TARGET_KEY}" if path else TARGET_KEY, None,
+                          "is missing: name the factory that builds it, e.g. my_pkg.models.build")
+    fields = {k: v for k, v in data.items() if k in declared}
+    fields["target"] = data[TARGET_KEY]
+    fields["kwargs"] = {k: v for k, v in data.items() if k not in declared and k != TARGET_KEY}
+    return fields
+
+
 def from_dict(cls: type, data: Any, path: str = "") -> Any:
     """Build frozen dataclass `cls` from plain data, with errors that name the full key."""
     if not isinstance(data, dict):
         raise ConfigError(path or cls.__name__, data, f"must be a mapping of {cls.__name__} fields")
+    if _is_target_config(cls):
+        data = _split_target(cls, data, path)
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))
@@ -108,6 +141,10 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
 
 def to_jsonable(obj: Any) -> Any:
     """Plain JSON data (dicts, lists, numbers, strings) from dataclasses and containers."""
+    if isinstance(obj, TargetConfig):
+        own = {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+               if f.name not in ("target", "kwargs")}
+        return {TARGET_KEY: obj.target, **own, **to_jsonable(obj.kwargs)}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):

@@ -68,6 +68,10 @@ class Dag:
                 stack.extend(self.stages[name].upstream)
         return [n for n in self.order if n in wanted]
 
+    def uses(self, key: str) -> bool:
+        """Whether any stage reads the top-level config key `key` (e.g. `model`)."""
+        return any(key in {f.name for f in dataclasses.fields(s.inputs)} for s in self.stages.values())
+
     def downstream(self, name: str) -> list[str]:
         """Every stage that depends on `name`, directly or not."""
         out: set[str] = set()

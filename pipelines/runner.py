@@ -6,6 +6,7 @@ a stage sees its own frozen config and its upstream results, nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import traceback
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from pipelines.cache import Cache, Entry, digest, stage_key
+from pipelines.cache import Cache, Entry, digest, stage_key, targets_code
 from pipelines.calibration import calibration_key
 from pipelines.configtools import flatten, to_jsonable
 from pipelines.dag import Dag, Stage, build, stage_inputs
@@ -196,7 +197,11 @@ class Runner:
 
     def _run_or_load(self, stage, inputs, kwargs, upstream, world: WorldSpec, force: bool, variant: str | None) -> Outcome:
         name = f"{stage.name}-{variant}" if variant else stage.name
-        extra = {"world": [world.nodes, world.procs_per_node]} if stage.spec.resources == "world" else {}
+        extra: dict[str, Any] = {"world": [world.nodes, world.procs_per_node]} if stage.spec.resources == "world" else {}
+        if {"model", "data"} & {f.name for f in dataclasses.fields(stage.inputs)}:
+            # A user's model or data set lives outside this project: its code is part of the key.
+            extra["user_code"] = targets_code([self.cfg.model.target, self.cfg.data.target,
+                                               self.cfg.model.loss.target if self.cfg.model.loss else ""])
         placement = None
         if stage.spec.resources != "driver":
             assert self.placement is not None, "a worker stage's placement is read before its key"

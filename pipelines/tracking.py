@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import math
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -180,7 +181,7 @@ class MlflowTracker:
         from mlflow.entities import Metric, Param
 
         now = int(time.time() * 1000)
-        param_list = [Param(k, _param_value(v)) for k, v in (params or {}).items()]
+        param_list = [Param(_param_key(k), _param_value(v)) for k, v in (params or {}).items()]
         metric_list = [Metric(k, float(v), now, int(s)) for k, v, s in (metrics or []) if math.isfinite(v)]
         for i in range(0, len(param_list), 100):
             self.client.log_batch(run_id, params=param_list[i : i + 100])
@@ -227,6 +228,12 @@ def check_server(uri: str, timeout_s: float = 5.0) -> None:
         reason = getattr(err, "reason", err)
         raise ConfigError("tracking.uri", redact_text(uri), f"no MLflow server answers there ({reason}); start one "
                           "or use sqlite:///outputs/mlflow.db") from None
+
+
+def _param_key(key: str) -> str:
+    """MLflow's allowed characters: a config key such as `model.tp_plan.blocks.*.q` keeps its shape
+    with `*` (and anything else MLflow refuses) as `_`."""
+    return re.sub(r"[^\w.\- :/]", "_", key)
 
 
 def _param_value(value: Any) -> str:

@@ -1,49 +1,59 @@
 """Checks that span several config groups, run on the driver before anything is launched.
 
-Single-field checks live in each dataclass's `__post_init__`; these need two fields at once or a
-fact of the machine (how many GPUs there are). All raise ConfigError: one sentence, the key, the
-value, what is allowed.
+Single-field checks live in each dataclass's `__post_init__`; these need two fields at once, a fact
+of the machine (how many GPUs there are) or a fact of the user's model and data (what it declares,
+how many samples there are: training/contract.py, cached under the cache dir so that a re-run does
+not build them again). All raise ConfigError: one sentence, the key, the value, what is allowed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import tempfile
 from pathlib import Path
 
+from pipelines.cache import code_version, digest, targets_code
+from pipelines.configtools import from_dict, to_jsonable
 from pipelines.redact import redact_text
 from pipelines.schema import Config
 from training.config import ConfigError
+from training.contract import ContractFacts
+from training.files import write_atomic
 from training.parallel.dims import ParallelDims
 
-TOKEN_DATA = ("markov", "text")
-FEATURE_DATA = ("blobs",)
-TEXT_VOCAB = 256
+
+def visible_gpus() -> int:
+    """CUDA devices this process may use, read without importing torch (the driver of a cached
+    invocation never does): the NVIDIA driver's devices, when torch was built with CUDA."""
+    from pipelines.placement import node_identity
+
+    me = node_identity()
+    return len(me.gpus) if me.cuda else 0
 
 
-def cuda_device_count() -> int:
-    """Visible CUDA devices; imports torch, so call it only once the config composed."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def resolve(cfg: Config, gpus_per_node: int | None = None) -> Config:
-    """Fill in what defaults to the machine (procs_per_node) and check the cross-field rules."""
-    gpus = cuda_device_count() if gpus_per_node is None else gpus_per_node
+def resolve(cfg: Config, gpus_per_node: int | None = None, uses_model: bool = True) -> Config:
+    """Fill in what defaults to the machine (procs_per_node) and check the cross-field rules.
+    `uses_model`: some stage builds the model (a pipeline that only reads MLflow does not)."""
+    gpus = visible_gpus() if gpus_per_node is None else gpus_per_node
     # A what-if plan of a described cluster fills its nodes with that cluster's devices.
     procs = cfg.procs_per_node or (cfg.cluster.devices_per_node if not cfg.cluster.measured else max(gpus, 1))
     cfg = dataclasses.replace(cfg, procs_per_node=procs)
     if cfg.cluster.measured:  # a what-if plan launches nothing: this machine's limits don't apply
         _check_world(cfg, gpus)
-    _check_model_data(cfg)
-    dims = _check_strategy(cfg, gpus)
-    _check_batches(cfg, dims)
+    dims = _check_degrees(cfg, gpus)
     _check_stage_names(cfg)
     _check_outputs(cfg)
     _check_no_secrets_in_scripts(cfg)
     _check_compare(cfg)
     _check_calibrate(cfg)
+    if uses_model:  # last: it builds the model and data
+        facts, path = contract_facts(cfg)
+        _check_strategy(cfg, dims, facts)
+        _check_batches(cfg, dims, facts)
+        if not path.exists():  # what it learnt is kept for the next invocation, once all checks pass
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps(to_jsonable(facts)))
     return cfg
 
 
@@ -75,56 +85,72 @@ def _check_world(cfg: Config, gpus: int) -> None:
         )
 
 
-def _check_model_data(cfg: Config) -> None:
-    model, data = cfg.model, cfg.data
-    if model.kind == "gpt" and data.kind not in TOKEN_DATA:
-        raise ConfigError("data", data.name, f"model={model.name} (gpt) needs token data: one of {', '.join(TOKEN_DATA)}")
-    if model.kind == "mlp" and data.kind not in FEATURE_DATA:
-        raise ConfigError("data", data.name, f"model={model.name} (mlp) needs feature data: one of {', '.join(FEATURE_DATA)}")
-    if data.kind == "text" and model.vocab_size < TEXT_VOCAB:
-        raise ConfigError("model.vocab_size", model.vocab_size, f"data=text is byte-level and needs >= {TEXT_VOCAB}")
-    if data.kind == "markov" and data.branching > model.vocab_size:
-        raise ConfigError("data.branching", data.branching, f"must be <= model.vocab_size={model.vocab_size}")
+def contract_facts(cfg: Config) -> tuple[ContractFacts, Path]:
+    """The user's model and data checked (training/contract.py), or what an earlier invocation
+    learnt of the same model, data and code (the check builds both, which a re-run should not pay);
+    and the file it is kept in."""
+    from training.contract import describe
 
-
-def _check_strategy(cfg: Config, gpus: int) -> ParallelDims:
-    """Degrees against the world, and against what the model can be split into."""
-    s, model = cfg.strategy, cfg.model
-    world = cfg.nodes * cfg.procs_per_node
+    targets = [cfg.model.target, cfg.data.target, cfg.model.loss.target if cfg.model.loss else ""]
+    key = digest({"model": to_jsonable(cfg.model), "data": to_jsonable(cfg.data), "seed": cfg.seed,
+                  "code": code_version(), "targets": targets_code(targets)})[:24]
+    path = Path(cfg.cache_dir) / "contract" / f"{key}.json"
     try:
-        dims = ParallelDims.resolve(**s.degrees(), world_size=world)
+        return from_dict(ContractFacts, json.loads(path.read_text())), path
+    except (OSError, ValueError, TypeError, KeyError):
+        return describe(cfg.model, cfg.data, cfg.seed), path
+
+
+def _check_degrees(cfg: Config, gpus: int) -> ParallelDims:
+    s = cfg.strategy
+    try:
+        dims = ParallelDims.resolve(**s.degrees(), world_size=cfg.nodes * cfg.procs_per_node)
     except ValueError as err:
         raise ConfigError("strategy", s.name, str(err)) from None
-    if dims.tp > 1:
-        if model.kind != "gpt":
-            raise ConfigError("strategy.tp", dims.tp, f"model={model.name} ({model.kind}) has no attention or "
-                              "feed-forward projections to split; use ddp, zero1/2/3 or pp")
-        for what, size in (("model.n_heads", model.n_heads), ("model.d_model", model.d_model),
-                           ("model.d_model x ffn_mult", model.d_model * model.ffn_mult)):
-            if size % dims.tp:
-                raise ConfigError("strategy.tp", dims.tp, f"must divide {what}={size}")
-    if dims.pp > model.n_layers:
-        raise ConfigError("strategy.pp", dims.pp, f"more pipeline stages than model.n_layers={model.n_layers}")
     if s.precision == "fp16" and gpus == 0:
         raise ConfigError("strategy.precision", "fp16", "needs CUDA (loss scaling); use bf16 or fp32 on CPU")
     return dims
 
 
-def _check_batches(cfg: Config, dims: ParallelDims) -> None:
+def _check_strategy(cfg: Config, dims: ParallelDims, facts: ContractFacts) -> None:
+    """Degrees against what the model declares it can be split into."""
+    model, s = cfg.model.name, cfg.strategy
+    if dims.tp > 1:
+        if facts.tp_plan is None:
+            raise ConfigError("strategy.tp", dims.tp, f"model={model} has no tensor-parallel plan: give model.tp_plan "
+                              "(module-name pattern -> colwise/rowwise), or use ddp, zero1/2/3 or pp")
+        if facts.tp_problem is not None:
+            raise ConfigError("strategy.tp", dims.tp, facts.tp_problem)
+        for what, size in facts.tp_sizes.items():
+            if size % dims.tp:
+                raise ConfigError("strategy.tp", dims.tp, f"must divide {what}={size} of model={model}")
+    if dims.pp > 1:
+        if facts.pipeline_problem is not None:
+            raise ConfigError("strategy.pp", dims.pp, facts.pipeline_problem)
+        if facts.item == "dict":
+            raise ConfigError("strategy.pp", dims.pp, f"pipeline stages pass (input, target) batches; data={cfg.data.name} "
+                              "gives dicts: use ddp, zero1/2/3 or tp")
+        if dims.pp > facts.blocks:
+            raise ConfigError("strategy.pp", dims.pp, f"more pipeline stages than the {facts.blocks} blocks of "
+                              f"model={model}")
+    if s.activation_checkpointing == "full" and facts.blocks == 0:
+        raise ConfigError("strategy.activation_checkpointing", "full", f"model={model} has no repeated blocks to "
+                          "checkpoint: name them with model.blocks=<dotted path of the list>")
+
+
+def _check_batches(cfg: Config, dims: ParallelDims, facts: ContractFacts) -> None:
     t, s = cfg.train, cfg.strategy
     micro = t.micro_batch_for(dims.dp_size)
     if dims.pp > 1 and micro % s.microbatches:
         raise ConfigError("strategy.microbatches", s.microbatches, f"must divide the micro-batch of {micro} samples")
     global_batch = micro * t.grad_accum * dims.dp_size
-    if cfg.cluster.measured and cfg.data.num_samples < global_batch:
-        raise ConfigError(
-            "data.num_samples",
-            cfg.data.num_samples,
-            f"must hold at least one global batch (micro_batch x grad_accum x data-parallel size = {global_batch})",
-        )
+    if cfg.cluster.measured and facts.num_samples < global_batch:
+        raise ConfigError("data", cfg.data.name, f"holds {facts.num_samples} samples, fewer than one global batch "
+                          f"(micro_batch x grad_accum x data-parallel size = {global_batch})")
     finder_batch = cfg.lr_find.batch or micro
-    if cfg.data.num_samples < finder_batch:
-        raise ConfigError("lr_find.batch", finder_batch, f"must be <= data.num_samples={cfg.data.num_samples}")
+    if facts.num_samples < finder_batch:
+        raise ConfigError("lr_find.batch", finder_batch, f"must be <= the {facts.num_samples} samples of "
+                          f"data={cfg.data.name}")
 
 
 def _check_stage_names(cfg: Config) -> None:

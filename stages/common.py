@@ -1,35 +1,45 @@
-"""What several stages share: building the model, its data pool and the device in one call."""
+"""What several stages share: the user's model and data on this rank's device, and progress lines."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from dataclasses import dataclass
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from pipelines.progress import PROGRESS_ENV
 from training.config import DataConfig, ModelConfig
-from training.data import make_pool
-from training.dist import device
 from training.files import write_atomic
-from training.models import build_model
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
+
+    from training.models import LossFn
+    from training.models.spec import ModelSpec
 
 
 @dataclass
 class Workbench:
     model: nn.Module
-    pool: tuple[torch.Tensor, torch.Tensor]
+    spec: ModelSpec
+    """What the model declared: its blocks and plans."""
+    loss: LossFn
+    dataset: Dataset
     dev: torch.device
 
 
 def workbench(model: ModelConfig, data: DataConfig, seed: int) -> Workbench:
-    """The seeded model and data pool, on this rank's device."""
+    """The seeded model on this rank's device, what it declares, its loss and the data set."""
+    from training.data import build_dataset
+    from training.dist import device
+    from training.models import build_model, model_loss
+    from training.models.spec import model_spec
+
     dev = device()
-    net = build_model(model, data, seed).to(dev)
-    inputs, targets = make_pool(data, model, seed)
-    return Workbench(net, (inputs.to(dev), targets.to(dev)), dev)
+    net = build_model(model, seed).to(dev)
+    return Workbench(net, model_spec(net, model), model_loss(model), build_dataset(data), dev)
 
 
 def log(stage: str, message: str) -> None:

@@ -12,13 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from stages.common import log, progress, workbench
-from training.config import DataConfig, LrFindConfig, ModelConfig
-from training.data import GlobalBatches
-from training.lr_finder import range_test, scale_lr, suggest
-from training.models import loss_fn
+from training.config import DataConfig, LrFindConfig, ModelConfig, StrategyConfig
+from training.lr_finder import scale_lr
 from training.parallel.dims import resolve_dims
 
 
@@ -31,12 +27,16 @@ class LrFindInputs:
     batch: int
     """The finder's batch: lr_find.batch, or the scaled run's per-rank micro-batch."""
     weight_decay: float
+    grad_clip: float | None
+    precision: str
+    """The run's precision: the finder steps as training will (training/step.py)."""
 
     @classmethod
     def from_config(cls, cfg: Any) -> LrFindInputs:
         dp = resolve_dims(cfg.strategy, cfg.nodes * cfg.procs_per_node).dp_size
         batch = cfg.lr_find.batch or cfg.train.micro_batch_for(dp)
-        return cls(cfg.lr_find, cfg.model, cfg.data, cfg.seed, batch, cfg.train.weight_decay)
+        return cls(cfg.lr_find, cfg.model, cfg.data, cfg.seed, batch, cfg.train.weight_decay, cfg.train.grad_clip,
+                   cfg.strategy.precision)
 
 
 @dataclass(frozen=True)
@@ -74,31 +74,36 @@ class LrFindResult:
 
 
 def run(cfg: LrFindInputs) -> LrFindResult:
+    import torch
+
+    from training.data import GlobalBatches, loader
+    from training.lr_finder import range_test, suggest
+    from training.parallel.compose import parallelize
+    from training.step import optimizer_step
+
     finder = cfg.lr_find
     bench = workbench(cfg.model, cfg.data, cfg.seed)
-    batch = cfg.batch
+    parallel = parallelize(bench.model, bench.spec, StrategyConfig(precision=cfg.precision), bench.dev, bench.loss)
     optimizer = torch.optim.AdamW(bench.model.parameters(), lr=finder.min_lr, weight_decay=cfg.weight_decay)
-    rows = GlobalBatches(cfg.data.num_samples, batch, 1, 0, 1, cfg.seed)
-    inputs, targets = bench.pool
+    rows = GlobalBatches(len(bench.dataset), cfg.batch, 1, 0, 1, cfg.seed)
+    batches = iter(loader(bench.dataset, rows, 0, finder.num_iters, cfg.data.num_workers, bench.dev))
 
-    def batches():
-        for step in range(finder.num_iters):
-            idx = rows.rows(step, 0).to(bench.dev)
-            yield inputs[idx], targets[idx]
+    def step() -> torch.Tensor:
+        return optimizer_step(parallel, optimizer, [next(batches)], 1, cfg.grad_clip, bench.dev)
 
     test = range_test(
-        bench.model, optimizer, batches(), loss_fn,
+        bench.model, optimizer, step,
         finder.min_lr, finder.max_lr, finder.num_iters, finder.beta, finder.diverge_threshold,
         on_step=lambda i, lr, loss: progress("lr_find", f"iteration {i + 1}/{finder.num_iters}: lr {lr:.2e}, "
                                                         f"smoothed loss {loss:.4f}"),
     )
     suggested = suggest(test.lrs, test.smoothed, finder.suggestion)
-    log("lr_find", f"{len(test.lrs)} iterations, suggested {suggested:.3e} at batch {batch}")
+    log("lr_find", f"{len(test.lrs)} iterations, suggested {suggested:.3e} at batch {cfg.batch}")
     return LrFindResult(
         suggested_lr=suggested,
         rule=finder.suggestion,
         lr_scaling=finder.lr_scaling,
-        finder_batch=batch,
+        finder_batch=cfg.batch,
         stopped_early=test.stopped_early,
         curve=[CurvePoint(lr, loss, s) for lr, loss, s in zip(test.lrs, test.losses, test.smoothed, strict=True)],
     )

@@ -10,18 +10,18 @@ recommendation is the fastest strategy that fits at the requested world.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
 from dataclasses import dataclass
-
-import torch
 
 from stages.bandwidth import BandwidthResult
 from stages.common import log, workbench
 from stages.lr_find import LrFindResult
 from training.config import ClusterConfig, DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
 from training.costmodel import (
+    Anatomy,
     Calibration,
     Hardware,
     Link,
@@ -31,15 +31,9 @@ from training.costmodel import (
     device_counts,
     fit_calibration,
     fit_link,
-    gpt_shape,
-    mlp_shape,
     predict,
 )
-from training.dist import synchronize
-from training.flops import flops_per_sample
-from training.memory import AuditRow, device_memory_bytes, measure_step, memory_audit
-from training.models import loss_fn, tokens_per_sample
-from training.overhead import measure_overheads
+from training.memory import AuditRow
 from training.parallel.dims import resolve_dims
 
 GIB = 1024**3
@@ -65,6 +59,8 @@ class PlanInputs:
 
 @dataclass(frozen=True)
 class Rulers:
+    anatomy: Anatomy
+    """The model measured from its module: shape, FLOPs, activations and positions per sample."""
     params: int
     param_bytes: int
     grad_bytes: int
@@ -97,6 +93,8 @@ class PlanResult:
     flops_per_sample: float
     rulers: Rulers | None
     """The measurements (None for a what-if plan of hardware that isn't here)."""
+    anatomy: Anatomy
+    """The model as measured from its module (on the meta device for a what-if plan)."""
     world_size: int
     micro_batch: int
     predictions: list[Prediction]
@@ -168,39 +166,56 @@ def _timed_steps(step) -> float:  # noqa: ANN001 - a zero-argument callable
     return statistics.median(times)
 
 
+def step_strategy(cfg: PlanInputs) -> StrategyConfig:
+    """The one-device step the plan measures: the run's precision and activation checkpointing."""
+    return StrategyConfig(name="ddp", precision=cfg.strategy.precision,
+                          activation_checkpointing=cfg.strategy.activation_checkpointing,
+                          bucket_cap_mb=cfg.strategy.bucket_cap_mb)
+
+
 def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:
-    """Rulers 1 and 3 on this device, ruler 2 from the probe."""
+    """Rulers 1 and 3 on this device, ruler 2 from the probe. The step measured and timed is the
+    training step itself (training/step.py), with the run's precision and checkpointing."""
+    import torch
+
+    from training.anatomy import measure_anatomy
+    from training.data import first_samples
+    from training.dist import synchronize
+    from training.memory import StepProbe, device_memory_bytes, memory_audit
+    from training.models import batch_loss, to_device
+    from training.overhead import measure_overheads
+    from training.parallel.compose import parallelize
+    from training.step import optimizer_step
+
     bench = workbench(cfg.model, cfg.data, cfg.seed)
     model, dev = bench.model, bench.dev
-    inputs, targets = bench.pool
     micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
-    # Copies, as the training loop's gathered batches are: a view would keep the whole pool's
-    # storage alive in autograd's saved tensors and be counted as activations.
-    x, y = inputs[:micro].clone(), targets[:micro].clone()
-    flops = flops_per_sample(model, loss_fn, x, y)
-    audit = memory_audit(model, lambda: loss_fn(model, x, y), dev)
+    batch = to_device(first_samples(bench.dataset, micro), dev)
+    anatomy = measure_anatomy(model, bench.spec, bench.loss, batch)
+    audit = memory_audit(model, [b.module for b in bench.spec.blocks], lambda: batch_loss(model, batch, bench.loss), dev)
+    parallel = parallelize(model, bench.spec, step_strategy(cfg), dev, bench.loss)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    clip = cfg.train.grad_clip
 
-    def step(zero: bool = True) -> None:
-        # The training loop's step, as it runs there: clipping and zeroing included.
-        loss_fn(model, x, y).backward()
-        if cfg.train.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        optimizer.step()
-        if zero:
-            optimizer.zero_grad(set_to_none=True)
+    def step(probe: StepProbe | None = None, held: list | None = None) -> None:
+        finish = (lambda: held.append(probe.finish(optimizer))) if probe is not None else None
+        optimizer_step(parallel, optimizer, [batch], 1, clip, dev, before_zero=finish)
         synchronize(dev)
 
     # The first step allocates the optimizer state: measure memory there (gradients still held),
     # time the later ones.
-    memory = measure_step(model, optimizer, lambda: step(zero=False), dev)
-    optimizer.zero_grad(set_to_none=True)
+    held: list = []
+    with StepProbe(parallel.model, dev) as probe:
+        step(probe, held)
+    memory = held[0]
     compute = _timed_steps(step)
-    overheads = measure_overheads(model, lambda net: loss_fn(net, x, y), list(cfg.plan.strategies), dev,
-                                  cfg.train.grad_clip, cfg.strategy.bucket_cap_mb)
+    overheads = measure_overheads(model, cfg.model, bench.loss, batch, list(cfg.plan.strategies), dev, clip,
+                                  step_strategy(cfg))
     device_bytes = cfg.plan.device_memory_bytes or device_memory_bytes(dev, cfg.procs_per_node)
+    anatomy = dataclasses.replace(anatomy, activation_bytes_per_sample=memory.activation_bytes / micro)
     return Rulers(
-        params=sum(p.numel() for p in model.parameters()),
+        anatomy=anatomy,
+        params=anatomy.shape.params,
         param_bytes=memory.param_bytes,
         grad_bytes=memory.grad_bytes,
         optim_bytes=memory.optim_bytes,
@@ -208,7 +223,7 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:
         peak_memory_bytes=memory.peak_bytes,
         memory_source=memory.source,
         device_memory_bytes=device_bytes,
-        flops_per_sample=flops,
+        flops_per_sample=anatomy.flops_per_sample,
         step_compute_s=compute,
         strategy_overhead_s=overheads.seconds,
         overhead_not_measured=overheads.not_measured,
@@ -219,22 +234,44 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:
     )
 
 
-def model_shape(model: ModelConfig, data: DataConfig):  # noqa: ANN201 - a costmodel.Shape
-    if model.kind == "gpt":
-        return gpt_shape(model.vocab_size, model.seq_len, model.d_model, model.n_layers, model.n_heads, model.ffn_mult)
-    return mlp_shape(data.num_features, model.d_model, model.n_layers, data.num_classes)
+def whatif_anatomy(cfg: PlanInputs) -> Anatomy:
+    """The model at its real shape on the meta device (no memory, no compute): FLOPs and shape from
+    a plain pass, the activations from a pass in the run's precision and checkpointing."""
+    import torch
+
+    from training.anatomy import measure_anatomy
+    from training.data import build_dataset, first_samples
+    from training.models import build_model, model_loss, to_device
+    from training.models.spec import model_spec
+    from training.parallel.ac import apply_ac
+    from training.parallel.compose import DTYPES
+
+    micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
+    batch = to_device(first_samples(build_dataset(cfg.data), micro), torch.device("meta"))
+    loss = model_loss(cfg.model)
+    with torch.device("meta"):
+        model = build_model(cfg.model, cfg.seed)
+    plain = measure_anatomy(model, model_spec(model, cfg.model), loss, batch)
+    dtype = DTYPES[cfg.strategy.precision]
+    if dtype is not None:
+        model = model.to(dtype)
+    spec = model_spec(model, cfg.model)
+    if cfg.strategy.activation_checkpointing == "full":
+        apply_ac(spec.blocks)
+    run_like = measure_anatomy(model, spec, loss, batch)
+    return dataclasses.replace(plain, activation_bytes_per_sample=run_like.activation_bytes_per_sample)
 
 
-def workload(cfg: PlanInputs, activation_bytes_per_sample: float | None) -> Workload:
+def workload(cfg: PlanInputs, anatomy: Anatomy) -> Workload:
     return Workload(
-        shape=model_shape(cfg.model, cfg.data),
+        shape=anatomy.shape,
         micro_batch=cfg.train.micro_batch_for(data_parallel_size(cfg)),
         grad_accum=cfg.train.grad_accum,
         microbatches=cfg.strategy.microbatches,
         mixed=cfg.strategy.precision != "fp32",
         checkpointing=cfg.strategy.activation_checkpointing == "full",
-        tokens_per_sample=tokens_per_sample(cfg.model),
-        activation_bytes_per_sample=activation_bytes_per_sample,
+        tokens_per_sample=anatomy.tokens_per_sample,
+        activation_bytes_per_sample=anatomy.activation_bytes_per_sample,
         bucket_cap_bytes=cfg.strategy.bucket_cap_mb * 1024**2,
         clip=cfg.train.grad_clip is not None,
     )
@@ -256,13 +293,14 @@ def preset_links(gbps: float, latency_us: float, world: int) -> dict[str, Link]:
     return {"all_reduce": Link(alpha_s=latency_us * 1e-6, busbw_gbps=gbps, world=world)}
 
 
-def hardware(cfg: PlanInputs, rulers: Rulers | None, bandwidth: BandwidthResult | None, micro: int) -> Hardware:
+def hardware(cfg: PlanInputs, anatomy: Anatomy, rulers: Rulers | None, bandwidth: BandwidthResult | None,
+             micro: int) -> Hardware:
     """Measured numbers for cluster=cpu-local (and any `measured` cluster), else the preset's."""
     c = cfg.cluster
     if c.measured:
         assert rulers is not None and bandwidth is not None, "a measured cluster needs the measurements"
         links = measured_links(bandwidth)
-        cpu = "cpu" in bandwidth.backend or torch.cuda.device_count() == 0
+        cpu = rulers.memory_source != "cuda_allocator"
         return Hardware(
             device_memory_bytes=rulers.device_memory_bytes,
             devices_per_node=10**9,  # launcher=local: every rank on this host's links
@@ -273,8 +311,7 @@ def hardware(cfg: PlanInputs, rulers: Rulers | None, bandwidth: BandwidthResult 
             threads_per_device=rulers.threads,
             overhead_s=rulers.strategy_overhead_s,
         )
-    flops = flops_for_whatif(cfg)
-    per_sample = flops / (c.peak_flops * c.achievable_mfu)
+    per_sample = anatomy.flops_per_sample / (c.peak_flops * c.achievable_mfu)
     return Hardware(
         device_memory_bytes=c.device_memory_gib * GIB,
         devices_per_node=c.devices_per_node,
@@ -282,15 +319,6 @@ def hardware(cfg: PlanInputs, rulers: Rulers | None, bandwidth: BandwidthResult 
         inter=preset_links(c.inter_node_gbps, c.inter_node_latency_us, 2 * c.devices_per_node),
         seconds_per_sample=per_sample,
     )
-
-
-def flops_for_whatif(cfg: PlanInputs) -> float:
-    from training.costmodel import gpt_flops_per_token
-
-    shape = model_shape(cfg.model, cfg.data)
-    if cfg.model.kind == "gpt":
-        return gpt_flops_per_token(shape) * cfg.model.seq_len
-    return 6 * shape.params
 
 
 def predictions(cfg: PlanInputs, w: Workload, hw: Hardware, world: int,
@@ -381,8 +409,9 @@ def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult,
     world = cfg.nodes * cfg.procs_per_node
     rulers = measure(cfg, bandwidth)
     micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
-    w = workload(cfg, rulers.activation_bytes / micro if cfg.cluster.measured else None)
-    hw = hardware(cfg, rulers, bandwidth, micro)
+    anatomy = rulers.anatomy if cfg.cluster.measured else whatif_anatomy(cfg)
+    w = workload(cfg, anatomy)
+    hw = hardware(cfg, anatomy, rulers, bandwidth, micro)
     calibration = fit_calibration(history) if cfg.plan.calibrate else None
     preds = predictions(cfg, w, hw, world, calibration)
     choice, reasons = recommend(preds, world, cfg, hw)
@@ -392,8 +421,8 @@ def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult,
         reasons.append(calibration.describe() if calibration is not None else
                        "calibration: no earlier run of this model, batch, cluster and launcher in MLflow yet; "
                        "the uncalibrated model")
-    result = PlanResult(choice, reasons, rulers.peak_memory_bytes, rulers.flops_per_sample, rulers, world, micro,
-                        preds, lr_find.scaled(target), lr_find.lr_scaling, calibration)
+    result = PlanResult(choice, reasons, rulers.peak_memory_bytes, anatomy.flops_per_sample, rulers, anatomy, world,
+                        micro, preds, lr_find.scaled(target), lr_find.lr_scaling, calibration)
     for line in [*reasons, result.table()]:
         log("plan", line)
     return result
@@ -401,18 +430,20 @@ def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult,
 
 def whatif(cfg: PlanInputs) -> PlanResult:
     """pipeline=plan: the same predictions for hardware described by a cluster preset, from the
-    model's shape alone — nothing is measured, built or trained, so it answers in seconds."""
+    model built on the meta device at its real shape: its parameters, FLOPs and activations are
+    measured there with no memory and no compute, so it answers in seconds for any size."""
     if cfg.cluster.measured:
         raise ValueError(f"cluster={cfg.cluster.name} is measured by running: use pipeline=full, or a described "
                          "cluster such as cluster=h100-80g-ndr for a what-if plan")
     world = cfg.nodes * cfg.procs_per_node
-    w = workload(cfg, None)
-    hw = hardware(cfg, None, None, w.micro_batch)
+    anatomy = whatif_anatomy(cfg)
+    w = workload(cfg, anatomy)
+    hw = hardware(cfg, anatomy, None, None, w.micro_batch)
     preds = predictions(cfg, w, hw, world)
     choice, reasons = recommend(preds, world, cfg, hw)
-    flops = flops_for_whatif(cfg)
     peak = max((p.memory_per_device_bytes for p in preds if p.devices == world and p.strategy == choice), default=0)
-    result = PlanResult(choice, reasons, int(peak), flops, None, world, w.micro_batch, preds, None, None, None)
+    result = PlanResult(choice, reasons, int(peak), anatomy.flops_per_sample, None, anatomy, world, w.micro_batch,
+                        preds, None, None, None)
     print(f"what-if: model={cfg.model.name} ({w.shape.params / 1e9:.2f} B parameters) on cluster={cfg.cluster.name}, "
           f"{cfg.nodes} nodes x {cfg.procs_per_node} = {world} devices, micro-batch {w.micro_batch}")
     print(result.table())

@@ -21,12 +21,12 @@ from stages.common import log, progress, workbench
 from stages.lr_find import LrFindResult
 from stages.plan import PlanResult
 from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig
-from training.data import GlobalBatches
+from training.data import GlobalBatches, first_samples, loader
 from training.dist import gather_objects, rank
 from training.flops import peak_flops
 from training.lr_finder import scale_lr
 from training.memory import StepProbe
-from training.models import logits_loss, tokens_per_sample
+from training.models import tokens_per_sample
 from training.profile import StepProfiler, TimeSplit
 from training.sysmetrics import SystemSample, SystemSampler, node_id, sample_metrics
 
@@ -64,7 +64,7 @@ def _error_pct(measured: float, predicted: float) -> float:
 def check_prediction(plan: PlanResult, strategy: str, world: int, step_time_s: float, samples_per_s: float,
                      efficiency: float, memory_bytes: float) -> PredictionCheck | None:
     """Hold the run against the plan's prediction for it (None when the plan made none)."""
-    predicted = plan.prediction(strategy, world) if hasattr(plan, "prediction") else None
+    predicted = plan.prediction(strategy, world)
     if predicted is None:
         return None
     return PredictionCheck(
@@ -229,9 +229,10 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
     t = cfg.train
     strategy, auto = resolve_strategy(cfg.strategy, plan)
     bench = workbench(cfg.model, cfg.data, cfg.seed)
-    parallel = parallelize(bench.model, strategy, bench.dev, logits_loss)
+    tokens = tokens_per_sample(first_samples(bench.dataset, 1))
+    parallel = parallelize(bench.model, bench.spec, strategy, bench.dev, bench.loss)
     dims = parallel.dims
-    batches = GlobalBatches(cfg.data.num_samples, t.micro_batch_for(dims.dp_size), t.grad_accum, parallel.dp_rank,
+    batches = GlobalBatches(len(bench.dataset), t.micro_batch_for(dims.dp_size), t.grad_accum, parallel.dp_rank,
                             dims.dp_size, cfg.seed)
     peak_lr, lr_source = learning_rate(t, lr_find, batches.global_batch)
     optimizer = build_optimizer(parallel, peak_lr, t.weight_decay)
@@ -250,8 +251,9 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
     sampling = t.system_metrics_s > 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0
     sampler = SystemSampler(t.system_metrics_s, node_id()) if sampling else contextlib.nullcontext()
     with sampler:
+        data = iter(loader(bench.dataset, batches, first, t.steps, cfg.data.num_workers, bench.dev))
         stats = train_loop(
-            parallel, optimizer, scheduler, bench.pool, batches, t.steps, t.grad_clip, t.log_every, t.timing_warmup,
+            parallel, optimizer, scheduler, data, t.grad_accum, t.steps, t.grad_clip, t.log_every, t.timing_warmup,
             bench.dev,
             on_log=StepReporter(t.steps, batches.global_batch, first),
             resume=resume,
@@ -292,9 +294,9 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
         micro_batch=batches.micro,
         grad_accum=t.grad_accum,
         samples_per_s=samples_per_s,
-        tokens_per_s=samples_per_s * tokens_per_sample(cfg.model),
+        tokens_per_s=samples_per_s * tokens,
         samples_per_s_per_device=per_device,
-        tokens_per_s_per_device=per_device * tokens_per_sample(cfg.model),
+        tokens_per_s_per_device=per_device * tokens,
         step_time_s=step_time,
         baseline_samples_per_s=base,
         scaling_efficiency=efficiency,

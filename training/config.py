@@ -9,6 +9,7 @@ turns into one sentence naming the full key (`train.steps=0: ...`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -33,8 +34,6 @@ def _one_of(key: str, value: str, options: tuple[str, ...]) -> None:
         raise ConfigError(key, value, f"must be one of {', '.join(options)}")
 
 
-MODEL_KINDS = ("gpt", "mlp")
-DATA_KINDS = ("markov", "text", "blobs")
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "tp", "pp", "hybrid", "auto")
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 # Degrees of each strategy; -1 takes the ranks left over. `auto` resolves to the plan's choice.
@@ -57,55 +56,85 @@ LR_SCALING_RULES = ("linear", "sqrt", "none")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    name: str = "gpt-tiny"
-    """Preset name, recorded in tags and reports."""
-    kind: str = "gpt"
-    """`gpt` (decoder-only transformer on token data) or `mlp` (classifier on feature data)."""
-    vocab_size: int = 256
-    """GPT vocabulary size; must cover the data's tokens (256 for byte-level text)."""
-    seq_len: int = 64
-    """GPT context length in tokens."""
-    d_model: int = 64
-    """Width: the GPT's hidden size, or the MLP's hidden layer width."""
-    n_layers: int = 2
-    """Depth: transformer blocks, or hidden layers of the MLP."""
-    n_heads: int = 4
-    """GPT attention heads; must divide d_model."""
-    ffn_mult: int = 4
-    """GPT feed-forward width as a multiple of d_model."""
+TARGET_KEY = "_target_"
+"""Hydra's key for the factory a config group instantiates."""
+TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep")
+"""Tensor-parallel styles in Hugging Face's words: split a linear by output columns or input rows;
+`_rep` replicates the output of a column split (or expects a replicated input to a row split)."""
 
-    def __post_init__(self) -> None:
-        _one_of("kind", self.kind, MODEL_KINDS)
-        for key in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "ffn_mult"):
-            _at_least(key, getattr(self, key), 1)
-        if self.kind == "gpt" and self.d_model % self.n_heads:
-            raise ConfigError("n_heads", self.n_heads, f"must divide d_model={self.d_model}")
+
+def _check_target(key: str, target: str) -> None:
+    if not isinstance(target, str) or "." not in target.strip("."):
+        raise ConfigError(key, target, "must name an importable factory as 'package.module.function' "
+                          "(Hydra's _target_), e.g. my_pkg.models.build")
+
+
+class TargetConfig:
+    """A config group that names a factory by `_target_` and passes it every key the schema does not
+    declare as keyword arguments, exactly as `hydra.utils.instantiate` reads such a node. Subclasses
+    are frozen dataclasses with a `target` field (`_target_` in YAML) and a `kwargs` field."""
+
+    target: str
+    kwargs: dict[str, Any]
 
 
 @dataclass(frozen=True)
-class DataConfig:
-    name: str = "markov"
-    """Preset name, recorded in tags and reports."""
-    kind: str = "markov"
-    """`markov`: seeded synthetic tokens from a sparse random Markov chain (learnable);
-    `text`: bytes of the Python standard library's own source files (real text, nothing downloaded);
-    `blobs`: seeded synthetic features in Gaussian clusters, for the MLP."""
-    num_samples: int = 4096
-    """Samples in the pool that training draws from (sequences or feature rows)."""
-    branching: int = 4
-    """markov: successors per token; the loss floor is about log(branching)."""
-    num_features: int = 32
-    """blobs: input features per sample."""
-    num_classes: int = 8
-    """blobs: classes (cluster centres)."""
+class Target(TargetConfig):
+    """A bare `_target_` plus keyword arguments (e.g. a custom loss)."""
+
+    target: str = ""
+    """The factory, `package.module.function`."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _one_of("kind", self.kind, DATA_KINDS)
-        for key in ("num_samples", "branching", "num_features"):
-            _at_least(key, getattr(self, key), 1)
-        _at_least("num_classes", self.num_classes, 2)
+        _check_target(TARGET_KEY, self.target)
+
+
+@dataclass(frozen=True)
+class ModelConfig(TargetConfig):
+    """The user's model: a factory returning an `nn.Module`, its keyword arguments, and what only
+    the model can say about itself (its blocks, its tensor-parallel plan, its loss)."""
+
+    target: str = "training.models.gpt.build"
+    """`_target_`: the factory that returns the `nn.Module` (a function or a class)."""
+    name: str = "model"
+    """Name recorded in tags and reports (the preset's file name for the built-in ones)."""
+    blocks: str | None = None
+    """Dotted path of the model's repeated blocks (an `nn.ModuleList`/`ModuleDict`): the FSDP,
+    activation-checkpointing and pipeline unit. null finds them: the model's `_no_split_modules`
+    classes, else the longest list of same-class children."""
+    tp_plan: dict[str, str] | None = None
+    """Tensor-parallel plan: module-name pattern (`*` matches one name) -> colwise, rowwise,
+    colwise_rep or rowwise_rep. null takes the model's own (`config.base_model_tp_plan`, `_tp_plan`)."""
+    loss: Target | None = None
+    """`loss._target_`: a factory returning `fn(output, target) -> scalar`. null: the model's own
+    `.loss` when it returns one (Hugging Face, given labels), else cross-entropy of its logits."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Every other key of the group: the factory's keyword arguments."""
+
+    def __post_init__(self) -> None:
+        _check_target(TARGET_KEY, self.target)
+        for pattern, style in (self.tp_plan or {}).items():
+            _one_of(f"tp_plan.{pattern}", style, TP_STYLES)
+
+
+@dataclass(frozen=True)
+class DataConfig(TargetConfig):
+    """The user's data: a factory returning a map-style `Dataset` of `(input, target)` items or
+    dicts (Hugging Face style: `input_ids`, `labels`), and how to load it."""
+
+    target: str = "training.data.markov"
+    """`_target_`: the factory that returns the `torch.utils.data.Dataset`."""
+    name: str = "data"
+    """Name recorded in tags and reports."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0 loads in the training process)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Every other key of the group: the factory's keyword arguments."""
+
+    def __post_init__(self) -> None:
+        _check_target(TARGET_KEY, self.target)
+        _at_least("num_workers", self.num_workers, 0)
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ Pure arithmetic on shapes and measurements (no torch), so that `pipeline=plan` a
 questions for a 70B model on 512 GPUs in milliseconds. Sources of the formulas:
 - memory: the ZeRO paper (Rajbhandari et al. 2020): mixed-precision Adam holds 2Ψ + 2Ψ + 12Ψ
   bytes (fp16 params, fp16 grads, fp32 master + two moments); plain fp32 Adam 4Ψ + 4Ψ + 8Ψ.
-- activations: Korthikanti et al. 2022, per layer s·b·h·(34 + 5·a·s/h) bytes in 16-bit, the 34
-  term divided over tensor-parallel ranks as (24/t + 10) without sequence parallelism.
+- activations: measured (the bytes autograd saves, per sample) and divided as the layout divides
+  them: over pipeline stages by blocks, over tensor-parallel ranks by their degree.
 - collectives: nccl-tests' bus-bandwidth factors; time = α + bus bytes / busbw (an α–β model
   fitted to the bandwidth probe).
 - pipeline bubble: (p − 1) / (m + p − 1) of the step for GPipe and 1F1B (Narayanan et al. 2021).
@@ -30,44 +30,44 @@ ADAM_MIXED = (2, 2, 12)
 
 @dataclass(frozen=True)
 class Shape:
-    """What the cost model needs to know of a model."""
+    """What the cost model needs to know of a model, measured from the built module
+    (training/anatomy.py): nothing here is derived from one model family's shape."""
 
     params: int
     layers: int
+    """Repeated blocks (the FSDP, checkpointing and pipeline unit)."""
     block_linear_params: int
-    """Parameters of the projections tensor parallelism splits, over all blocks."""
+    """Parameters of the layers the model's tensor-parallel plan splits (0: no plan)."""
     hidden: int
+    """Width of a block's output: the activation tensor-parallel and pipeline stages exchange."""
     seq_len: int
+    """Positions per sample in a block's output (tokens; 1 for a feature row)."""
     heads: int
-    vocab: int
+    """The largest head count the model declares (1 if none)."""
     first_stage_params: int
-    """Parameters only the first pipeline stage holds (embeddings)."""
+    """Parameters only the first pipeline stage holds (embeddings), or all non-block parameters."""
     last_stage_params: int
     """Parameters only the last pipeline stage holds (final norm, head)."""
+    tp_sizes: tuple[int, ...] = ()
+    """Every width and head count the tensor-parallel degree must divide."""
+    pipeline: bool = True
+    """Whether the model declares a pipeline layout."""
 
 
-def gpt_shape(vocab: int, seq_len: int, d_model: int, n_layers: int, n_heads: int, ffn_mult: int) -> Shape:
-    """Exact parameter counts of training.models.gpt.GPT (no biases in linears, untied head)."""
-    hidden_ffn = ffn_mult * d_model
-    linears = 4 * d_model * d_model + 2 * d_model * hidden_ffn
-    block = linears + 2 * 2 * d_model  # two LayerNorms, weight and bias
-    first = vocab * d_model + seq_len * d_model
-    last = 2 * d_model + d_model * vocab
-    return Shape(first + n_layers * block + last, n_layers, n_layers * linears, d_model, seq_len, n_heads, vocab,
-                 first, last)
+@dataclass(frozen=True)
+class Anatomy:
+    """A model as the plan measured it (training/anatomy.py): its shape, and per sample its FLOPs,
+    the bytes it saves for backward and its positions."""
 
-
-def mlp_shape(in_features: int, hidden: int, depth: int, classes: int) -> Shape:
-    dims = [in_features, *([hidden] * depth)]
-    body = sum(a * b + b for a, b in zip(dims, dims[1:], strict=False))
-    head = dims[-1] * classes + classes
-    return Shape(body + head, depth, 0, hidden, 1, 1, classes, 0, head)
-
-
-def gpt_flops_per_token(shape: Shape) -> float:
-    """Training FLOPs per token: 6 per parameter (fwd 2, bwd 4) plus attention's score and value
-    products, 12·L·h·s (PaLM's appendix B)."""
-    return 6 * shape.params + 12 * shape.layers * shape.hidden * shape.seq_len
+    shape: Shape
+    flops_per_sample: float
+    """Forward + backward FLOPs of one sample (FlopCounterMode; attention counted by its math path;
+    activation checkpointing's recomputation not counted, as MFU conventions do)."""
+    activation_bytes_per_sample: float
+    """Bytes autograd saved for backward per sample (parameters excluded), in the measured
+    precision and with the measured activation checkpointing."""
+    tokens_per_sample: int
+    """Positions per sample (an integer input's length), 1 for feature or image inputs."""
 
 
 # ---- memory ---------------------------------------------------------------------------------
@@ -127,24 +127,6 @@ def state_memory(shape: Shape, strategy: str, d: Degrees, mixed: bool, reshard: 
 def activation_tensor_bytes(batch: int, seq: int, hidden: int, dtype_bytes: int) -> int:
     """One b x s x h activation (the seed's 32 x 512 x 1024 x 4 B = 64 MiB)."""
     return batch * seq * hidden * dtype_bytes
-
-
-def gpt_activation_bytes(shape: Shape, micro_batch: int, d: Degrees, dtype_bytes: int, checkpointing: bool,
-                         microbatches: int = 1) -> float:
-    """Activations one rank saves for backward (Korthikanti et al., without dropout masks).
-
-    16-bit: s·b·h·(34 + 5·a·s/h) per layer, with the 24-byte and attention terms split over TP
-    ranks; fp32 doubles every term. Full checkpointing keeps only each block's input. A pipeline
-    stage holds its own layers, for the microbatches in flight: min(m, p) of the m microbatches
-    (each b/m samples) under 1F1B."""
-    s, h, a = shape.seq_len, shape.hidden, shape.heads
-    layers = math.ceil(shape.layers / d.pp)
-    if checkpointing:
-        per_layer = float(activation_tensor_bytes(micro_batch, s, h, dtype_bytes))
-    else:
-        per_layer = s * micro_batch * h * (10 + 24 / d.tp + 5 * a * s / (h * d.tp)) * dtype_bytes / 2
-    in_flight = min(microbatches, d.pp) / microbatches if d.pp > 1 else 1.0
-    return layers * per_layer * in_flight
 
 
 # ---- communication --------------------------------------------------------------------------
@@ -376,8 +358,9 @@ class Workload:
     mixed: bool
     checkpointing: bool
     tokens_per_sample: int
-    activation_bytes_per_sample: float | None
-    """Measured on one device; None uses the analytic GPT formula."""
+    activation_bytes_per_sample: float
+    """Bytes saved for backward per sample, measured on one device (or the meta device) with the
+    run's precision and activation checkpointing."""
     bucket_cap_bytes: float = 25 * 1024**2
     """DDP's gradient bucket size (strategy.bucket_cap_mb)."""
     clip: bool = False
@@ -526,21 +509,23 @@ PRESET_DEGREES = {
 
 
 def feasible(shape: Shape, d: Degrees, w: Workload) -> bool:
-    """Whether the model can be laid out so (TP divides heads and widths; PP has a layer per stage)."""
-    if d.tp > 1 and (shape.block_linear_params == 0 or shape.heads % d.tp or shape.hidden % d.tp):
+    """Whether the model can be laid out so: TP needs a plan whose widths and heads it divides; PP
+    a declared layout, a block per stage and microbatches that divide the micro-batch."""
+    if d.tp > 1 and (shape.block_linear_params == 0 or any(size % d.tp for size in shape.tp_sizes)):
         return False
-    return d.pp <= shape.layers and (d.pp == 1 or w.micro_batch % w.microbatches == 0)
+    if d.pp > 1 and (not shape.pipeline or d.pp > shape.layers or w.micro_batch % w.microbatches):
+        return False
+    return True
 
 
 def memory_per_device(w: Workload, strategy: str, d: Degrees) -> float:
+    """Parameters, gradients and optimizer state (the ZeRO paper's accounting) plus the measured
+    activations: a pipeline stage holds its share of the blocks for the microbatches in flight
+    (min(m, p) of m under 1F1B), tensor parallelism splits them over its ranks."""
     state = state_memory(w.shape, strategy, d, w.mixed)
-    if w.activation_bytes_per_sample is not None and not w.checkpointing:
-        layers_share = math.ceil(w.shape.layers / d.pp) / max(w.shape.layers, 1)
-        in_flight = min(w.microbatches, d.pp) / w.microbatches if d.pp > 1 else 1.0
-        activations = w.activation_bytes_per_sample * w.micro_batch * layers_share * in_flight / d.tp
-    else:
-        activations = gpt_activation_bytes(w.shape, w.micro_batch, d, 2 if w.mixed else 4, w.checkpointing,
-                                           w.microbatches)
+    layers_share = math.ceil(w.shape.layers / d.pp) / max(w.shape.layers, 1) if d.pp > 1 else 1.0
+    in_flight = min(w.microbatches, d.pp) / w.microbatches if d.pp > 1 else 1.0
+    activations = w.activation_bytes_per_sample * w.micro_batch * layers_share * in_flight / d.tp
     return state.total + activations
 
 

@@ -7,19 +7,20 @@ averaged over ranks) only every `log_every` steps. Throughput is timed from the 
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from training.data import GlobalBatches
 from training.dist import all_reduce_sum, synchronize
 from training.memory import StepMemory, StepProbe
-from training.parallel.compose import Parallel, clip_grad_norm
+from training.models import Batch
+from training.parallel.compose import Parallel
 from training.profile import StepProfiler
+from training.step import optimizer_step
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,8 @@ def train_loop(
     parallel: Parallel,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    pool: tuple[torch.Tensor, torch.Tensor],
-    batches: GlobalBatches,
+    micro_batches: Iterator[Batch],
+    accum: int,
     steps: int,
     grad_clip: float | None,
     log_every: int,
@@ -76,14 +77,14 @@ def train_loop(
     probe: StepProbe | None = None,
     profiler: StepProfiler | None = None,
 ) -> LoopStats:
-    """Run optimizer steps [resume.step or 0, steps). `probe`, if given, measures the first one;
-    `profiler` profiles the steps it covers (keep them out of the timed window)."""
-    inputs, targets = pool
+    """Run optimizer steps [resume.step or 0, steps), each on the next `accum` micro-batches of
+    `micro_batches` (this rank's, in order). `probe`, if given, measures the first one; `profiler`
+    profiles the steps it covers (keep them out of the timed window)."""
     first = resume.step if resume else 0
     losses: list[float] = list(resume.losses) if resume else []
     lrs: list[float] = list(resume.lrs) if resume else []
     pending: list[torch.Tensor] = []
-    memory = None
+    memory: list[StepMemory] = []
     timed_from = min(first + timing_warmup, steps - 1)
     start = time.perf_counter()
     marks = StepMarks(dev)
@@ -97,22 +98,13 @@ def train_loop(
         if profiler is not None and step == profiler.first:
             profiler.start()
         lrs.append(optimizer.param_groups[0]["lr"])
-        step_loss = torch.zeros((), device=dev)
-        measuring = probe if probe is not None and step == first else contextlib.nullcontext()
-        with measuring:
-            _accumulate(parallel, inputs, targets, batches, step, dev, step_loss)
-        if parallel.scaler is not None:
-            parallel.scaler.unscale_(optimizer)
-        if grad_clip is not None:
-            clip_grad_norm(parallel, grad_clip)
-        if parallel.scaler is not None:
-            parallel.scaler.step(optimizer)
-            parallel.scaler.update()
-        else:
-            optimizer.step()
+        batches = itertools.islice(micro_batches, accum)
         if probe is not None and step == first:
-            memory = probe.finish(optimizer)
-        optimizer.zero_grad(set_to_none=True)
+            with probe:
+                step_loss = optimizer_step(parallel, optimizer, batches, accum, grad_clip, dev,
+                                           before_zero=lambda: memory.append(probe.finish(optimizer)))
+        else:
+            step_loss = optimizer_step(parallel, optimizer, batches, accum, grad_clip, dev)
         scheduler.step()
         pending.append(step_loss)
         if profiler is not None and step == profiler.first + profiler.count - 1:
@@ -132,7 +124,7 @@ def train_loop(
     synchronize(dev)
     elapsed = time.perf_counter() - start
     return LoopStats(losses=losses, lrs=lrs, timed_steps=steps - timed_from, timed_seconds=elapsed,
-                     step_seconds=marks.intervals(), memory=memory)
+                     step_seconds=marks.intervals(), memory=memory[0] if memory else None)
 
 
 class StepMarks:
@@ -157,13 +149,3 @@ class StepMarks:
         if self.cuda:
             return [a.elapsed_time(b) / 1e3 for a, b in pairs]
         return [b - a for a, b in pairs]
-
-
-def _accumulate(parallel: Parallel, inputs, targets, batches: GlobalBatches, step: int, dev, step_loss) -> None:
-    """Forward and backward of every micro-batch of one optimizer step, summing the loss."""
-    for micro in range(batches.accum):
-        rows = batches.rows(step, micro).to(dev)
-        # Gradients are reduced once per optimizer step, on the last micro-batch.
-        last = micro == batches.accum - 1
-        with contextlib.nullcontext() if last else parallel.no_sync():
-            step_loss += parallel.forward_backward(inputs[rows], targets[rows], 1.0 / batches.accum)

@@ -20,8 +20,8 @@ from torch import Tensor, nn
 
 from training.config import LR_SCALING_RULES, SUGGESTION_RULES
 
-LossFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
-"""`loss_fn(model, inputs, targets)` -> a scalar loss tensor."""
+Step = Callable[[], Tensor]
+"""One training step on the next batch at the optimizer's current LR; returns the step's loss."""
 
 _MIN_POINTS = 3
 
@@ -129,8 +129,7 @@ def _restored(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[No
 def range_test(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    batches: Iterator[tuple[Tensor, Tensor]],
-    loss_fn: LossFn,
+    step: Step,
     min_lr: float,
     max_lr: float,
     num_iters: int,
@@ -140,7 +139,7 @@ def range_test(
 ) -> RangeTest:
     """Ramp the LR from `min_lr` to `max_lr` over `num_iters` steps and record the loss curve.
 
-    Each step sets every param group's LR, then runs one forward/backward/step on the next batch.
+    Each step sets every param group's LR, then runs `step` (the training step, on the next batch).
     The test stops early when the smoothed loss exceeds `diverge_threshold` times the best seen
     (that point is kept, it shows the blow-up) or the loss is not finite (that point is dropped,
     it would poison the curve). The model and optimizer are restored afterwards. `on_step(i, lr,
@@ -153,7 +152,9 @@ def range_test(
     with _restored(model, optimizer):
         for i in range(num_iters):
             lr = lr_at(i, num_iters, min_lr, max_lr)
-            loss = _step(model, optimizer, _next_batch(batches, i, num_iters), loss_fn, lr)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss = _next_loss(step, i, num_iters)
             if not math.isfinite(loss):
                 return RangeTest(lrs, losses, smoothed, stopped_early=True, best_loss=best)
             # The running EMA is kept here rather than re-smoothing the whole list every step.
@@ -169,32 +170,11 @@ def range_test(
     return RangeTest(lrs, losses, smoothed, stopped_early=False, best_loss=best)
 
 
-def _next_batch(batches: Iterator[tuple[Tensor, Tensor]], i: int, num_iters: int) -> tuple[Tensor, Tensor]:
+def _next_loss(step: Step, i: int, num_iters: int) -> float:
     try:
-        return next(batches)
+        return step().item()
     except StopIteration:
         raise ValueError(
-            f"batches ran out after {i} of num_iters={num_iters} steps; pass an iterator that yields "
-            "at least num_iters batches (e.g. itertools.cycle over a loader) or lower num_iters"
+            f"batches ran out after {i} of num_iters={num_iters} steps; give the step at least num_iters "
+            "batches or lower num_iters"
         ) from None
-
-
-def _step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: tuple[Tensor, Tensor],
-    loss_fn: LossFn,
-    lr: float,
-) -> float:
-    """One optimizer step at `lr`; returns the loss before the step."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
-    inputs, targets = batch
-    loss = loss_fn(model, inputs, targets)
-    value = loss.item()
-    # A non-finite loss ends the test; stepping on its gradients would only waste a backward pass.
-    if math.isfinite(value):
-        loss.backward()
-        optimizer.step()
-    return value

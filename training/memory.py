@@ -50,19 +50,24 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tu
     return param_bytes, grad_bytes, optim_bytes
 
 
+def storage_id(t: torch.Tensor) -> int:
+    """Which storage a tensor views: the storage object itself, not its address, so that it also
+    tells meta tensors (which all have address 0) apart."""
+    return _local(t).untyped_storage()._cdata
+
+
 class SavedActivations:
     """Counts the bytes autograd saves for backward, excluding the parameters themselves."""
 
     def __init__(self, model: nn.Module):
-        self._param_ptrs = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        self._param_ptrs = {storage_id(p) for p in model.parameters()}
         self._seen: dict[int, int] = {}
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         local = _local(t)  # DTensors (TP) save their local shard; the wrapper has no storage
         try:
-            storage = local.untyped_storage()
-            key, nbytes = storage.data_ptr(), storage.nbytes()
+            key, nbytes = storage_id(local), local.untyped_storage().nbytes()
         except (RuntimeError, NotImplementedError):
             key, nbytes = id(t), tensor_bytes(local)
         if key not in self._param_ptrs:
@@ -153,35 +158,47 @@ class AuditRow:
     """The highest in-use memory seen so far."""
 
 
-def top_level_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Embedding, each block, head...: the model's children, with block containers expanded."""
-    out = []
-    for name, child in model.named_children():
-        if isinstance(child, nn.ModuleDict | nn.ModuleList):
-            out += [(f"{name}.{key}", block) for key, block in child.named_children()]
-        else:
-            out.append((name, child))
+def top_level_modules(model: nn.Module, blocks: list[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """Embedding, each block, head...: the model's children, descending into whatever holds the
+    blocks (a block list, a Hugging Face base model) until each block is a row of its own."""
+    ids = {id(b) for b in blocks}
+
+    def holds_blocks(module: nn.Module) -> bool:
+        return any(id(m) in ids for m in module.modules())
+
+    out: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}{name}"
+            if id(child) not in ids and holds_blocks(child):
+                visit(f"{full}.", child)
+            else:
+                out.append((full, child))
+
+    visit("", model)
     return out
 
 
-def memory_audit(model: nn.Module, loss: Callable[[], torch.Tensor], dev: torch.device) -> list[AuditRow]:
-    """The memory in use after each top-level module of one forward and one backward.
+def memory_audit(model: nn.Module, blocks: list[nn.Module], loss: Callable[[], torch.Tensor],
+                 dev: torch.device) -> list[AuditRow]:
+    """The memory in use after each top-level module (each block a row) of one forward and backward.
 
     On CPU the live set is counted: parameters + the activations saved so far (attributed to the
     module that saved them) + gradients; a module's activations are freed once its backward ran."""
-    modules = top_level_modules(model)
+    modules = top_level_modules(model, blocks)
     params = sum(tensor_bytes(p) for p in model.parameters())
     saved: dict[str, int] = {}
     done: set[str] = set()
     rows: list[AuditRow] = []
     current = [""]
-    param_ptrs = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    param_ptrs = {storage_id(p) for p in model.parameters()}
     seen: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         local = _local(t)
         try:
-            ptr = local.untyped_storage().data_ptr()
+            ptr = storage_id(local)
         except (RuntimeError, NotImplementedError):
             ptr = id(t)
         if ptr not in param_ptrs and ptr not in seen:

@@ -14,16 +14,24 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from training.config import ModelConfig, StrategyConfig
 from training.dist import synchronize
+from training.models import Batch, LossFn
+from training.models.spec import ContractError
+
+if TYPE_CHECKING:
+    from training.parallel.compose import Parallel
 
 MEASURED_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "tp")
 """The strategies whose wrapper runs on one rank (a pipeline needs two stages)."""
@@ -54,57 +62,30 @@ def one_rank_group(dev: torch.device) -> Iterator[bool]:
         dist.destroy_process_group()
 
 
-def _wrap(strategy: str, model: nn.Module, dev: torch.device) -> torch.optim.Optimizer:
-    """Apply `strategy` to `model` in place, as training/parallel does, on a one-rank mesh; return
-    the optimizer training would build for it."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from training.parallel.fsdp import apply_fsdp
-    from training.parallel.tp import apply_tp
-
-    if strategy in ("zero2", "zero3"):
-        apply_fsdp(model, init_device_mesh(dev.type, (1,)), reshard_after_forward=strategy == "zero3",
-                   param_dtype=None)
-    elif strategy == "tp":
-        apply_tp(model, init_device_mesh(dev.type, (1,)))
-    params = [p for p in model.parameters() if p.requires_grad]
-    if strategy == "zero1":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=1e-4)
-    return torch.optim.AdamW(params, lr=1e-4)
-
-
-def _ddp(model: nn.Module, dev: torch.device, bucket_cap_mb: float) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
-    index = (dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=[index] if index is not None else None,
-                                   bucket_cap_mb=bucket_cap_mb)
-
-
 def measure_overheads(
     model: nn.Module,
-    loss: Callable[[nn.Module], torch.Tensor],
+    model_cfg: ModelConfig,
+    loss: LossFn,
+    batch: Batch,
     strategies: list[str],
     dev: torch.device,
     grad_clip: float | None,
-    bucket_cap_mb: float,
+    base: StrategyConfig,
     rounds: int = 3,
     steps: int = 3,
 ) -> Overheads:
-    """Time `model` bare and wrapped by each strategy (a copy of it), alternating in `rounds` so a
-    drifting host moves both alike. `loss(model)` is one micro-batch's loss."""
-    from training.parallel.compose import clip_model_grads
-    from training.parallel.tp import supports_tp
+    """Time `model` bare and wrapped by each strategy (a copy of it, wrapped by the real
+    `parallelize` on a one-rank group), alternating in `rounds` so a drifting host moves both
+    alike. Both run the training step (training/step.py) on `batch`, in `base`'s precision.
+    `model` comes prepared as the plan measures it (activation checkpointing already applied), so
+    neither the bare step nor the wrappers apply it again."""
+    from training.models.spec import model_spec
+    from training.parallel.compose import build_optimizer, parallelize
+    from training.step import optimizer_step
 
-    def stepper(net: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
-        def step() -> None:  # the training loop's step: clipping and zeroing included
-            loss(net).backward()
-            if grad_clip is not None:
-                clip_model_grads(net, grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    def stepper(parallel: Parallel, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+        def step() -> None:
+            optimizer_step(parallel, optimizer, [batch], 1, grad_clip, dev)
             synchronize(dev)
         return step
 
@@ -119,34 +100,35 @@ def measure_overheads(
     wanted = [s for s in strategies if s in MEASURED_STRATEGIES]
     not_measured = {s: "a pipeline needs two stages: not measurable on one rank" for s in strategies if s == "pp"}
     seconds: dict[str, float] = {}
-    bare = stepper(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-    bare()  # the optimizer's state is allocated on the first step
     bare_times: list[float] = []
+    base = dataclasses.replace(base, activation_checkpointing="none")
     with one_rank_group(dev) as usable:
         if not usable:
             reason = "torch.distributed is up with other ranks: no one-rank mesh"
             return Overheads({}, 0.0, {s: reason for s in wanted} | not_measured)
+        plain = parallelize(model, model_spec(model, model_cfg), base, dev, loss)
+        bare = stepper(plain, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        bare()  # the optimizer's state is allocated on the first step
         for strategy in wanted:
-            if strategy == "tp" and not supports_tp(model):
-                not_measured[strategy] = "the model has no projections to split"
-                continue
             try:  # a second copy of the model and its optimizer state must fit beside the first
                 net = copy.deepcopy(model)
-                optimizer = _wrap(strategy, net, dev)
-                if strategy in ("ddp", "zero1"):
-                    net = _ddp(net, dev, bucket_cap_mb)
-                wrapped = stepper(net, optimizer)
+                parallel = parallelize(net, model_spec(net, model_cfg), dataclasses.replace(base, name=strategy), dev,
+                                       loss, probe=True)
+                wrapped = stepper(parallel, build_optimizer(parallel, 1e-4, 0.0))
                 wrapped()
                 wrapped()  # warm: lazy initialisation (FSDP's, the reducer's) happens in the first steps
             except torch.OutOfMemoryError:
-                net = optimizer = wrapped = None  # free what was built before retrying the next
+                net = parallel = wrapped = None  # free what was built before trying the next
                 not_measured[strategy] = "no room for a second copy of the model on this device"
+                continue
+            except ContractError as err:
+                not_measured[strategy] = str(err)
                 continue
             diffs = []
             for _ in range(rounds):
-                plain = median_step(bare)
-                bare_times.append(plain)
-                diffs.append(median_step(wrapped) - plain)
+                plain_s = median_step(bare)
+                bare_times.append(plain_s)
+                diffs.append(median_step(wrapped) - plain_s)
             seconds[strategy] = max(statistics.median(diffs), 0.0)
-            del net, optimizer, wrapped
+            del net, parallel, wrapped
     return Overheads(seconds, statistics.median(bare_times) if bare_times else 0.0, not_measured)

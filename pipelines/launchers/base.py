@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -50,6 +51,18 @@ class Launcher(Protocol):
 
     def close(self) -> None:
         """Release whatever the launcher started (clusters, daemons)."""
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def worker_pythonpath() -> str:
+    """PYTHONPATH for workers: this project first, then the driver's own entries made absolute, so
+    that a user's package on a relative PYTHONPATH (`PYTHONPATH=. python run.py ...`) imports the
+    same wherever and in whatever directory a worker starts."""
+    entries = [str(ROOT), *(os.environ.get("PYTHONPATH") or "").split(os.pathsep)]
+    absolute = [str(Path(e).resolve()) for e in entries if e]
+    return os.pathsep.join(dict.fromkeys(absolute))
 
 
 def probe_placement(launcher: Launcher, name: str, backend: str, world: WorldSpec, workdir: Path) -> Placement:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipelines.launchers.base import StageFailed, Task, WorldSpec
+from pipelines.launchers.base import StageFailed, Task, WorldSpec, worker_pythonpath
 from pipelines.launchers.worker import (
     BACKEND_ENV,
     DEVICE_ENV,
@@ -52,7 +52,7 @@ def worker_env(rank: int, world: WorldSpec, port: int, cfg: LauncherConfig, rank
         GROUP_RANK=str(rank // world.procs_per_node),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        PYTHONPATH=worker_pythonpath(),
         PYTHONUNBUFFERED="1",
         **{
             BACKEND_ENV: cfg.backend,

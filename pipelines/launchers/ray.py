@@ -39,7 +39,7 @@ import torch
 from ray.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from pipelines.launchers.base import StageFailed, Task, WorldSpec, probe_placement
+from pipelines.launchers.base import StageFailed, Task, WorldSpec, probe_placement, worker_pythonpath
 from pipelines.launchers.worker import ERROR_FILE, RESULT_FILE, run_task
 from pipelines.placement import Placement, resolved_backend
 from pipelines.schema import LauncherConfig
@@ -63,7 +63,7 @@ class RayLauncher:
         self.started = cfg.address is None
         self._scratch: Path | None = None
         self._saved_env: dict[str, str | None] = {}
-        runtime_env = {"env_vars": {"PYTHONPATH": _pythonpath()}}
+        runtime_env = {"env_vars": {"PYTHONPATH": worker_pythonpath()}}
         if self.started:
             self._start_local(runtime_env)
         else:
@@ -179,11 +179,6 @@ def _reload_auth() -> None:
 
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
-
-
-def _pythonpath() -> str:
-    """The repository first, so that workers import the same stages as the driver."""
-    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
 def _check_resources(stage: str, world: WorldSpec, cfg: LauncherConfig, use_gpu: bool) -> None:

@@ -11,9 +11,12 @@ from stages.train import TrainInputs
 from tests.helpers import run_world
 from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig
 
-GPT = ModelConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16)
-MLP = ModelConfig(name="mlp", kind="mlp", d_model=64, n_layers=2)
-DATA = {"gpt": DataConfig(num_samples=256), "mlp": DataConfig(name="blobs", kind="blobs", num_samples=256)}
+GPT = ModelConfig(name="gpt", kwargs=dict(vocab_size=256, d_model=32, n_layers=2, n_heads=4, seq_len=16))
+MLP = ModelConfig(name="mlp", target="training.models.mlp.build",
+                  kwargs=dict(in_features=32, num_classes=8, hidden=64, depth=2))
+DATA = {"gpt": DataConfig(kwargs=dict(num_samples=256, seq_len=16, vocab_size=256)),
+        "mlp": DataConfig(name="blobs", target="training.data.blobs", kwargs=dict(num_samples=256, num_features=32,
+                                                                                  num_classes=8))}
 TOL = {"rel": 1e-5, "abs": 1e-5}
 _RUNS: dict = {}
 
@@ -22,11 +25,11 @@ def train_inputs(strategy: StrategyConfig, model: ModelConfig = GPT, **train) ->
     settings = dict(steps=10, global_batch=8, lr=1e-2, log_every=5, timing_warmup=2, warmup_steps=2,
                     schedule="constant", grad_clip=0.5)
     settings.update(train)
-    return TrainInputs(TrainConfig(**settings), model, DATA[model.kind], strategy, seed=0)
+    return TrainInputs(TrainConfig(**settings), model, DATA[model.name], strategy, seed=0)
 
 
 def run(strategy: StrategyConfig, world: int, model: ModelConfig = GPT, **train):
-    key = (strategy, world, model, tuple(sorted(train.items())))
+    key = (strategy, world, repr(model), tuple(sorted(train.items())))
     if key not in _RUNS:
         inputs = (train_inputs(strategy, model, **train), tempfile.mkdtemp())
         _RUNS[key] = run_world("tests.dist.workers:train_any", inputs, world=world)
@@ -97,12 +100,13 @@ def test_zero_stages_shard_what_the_paper_says():
 
 def test_tp_halves_the_block_linears_and_pp_keeps_one_stage():
     ddp, tp, pp = run(WORLD2["ddp"], 2), run(WORLD2["tp"], 2), run(WORLD2["pp-gpipe"], 2)
-    d, f = GPT.d_model, GPT.d_model * GPT.ffn_mult
-    linear_bytes = 4 * GPT.n_layers * (4 * d * d + 2 * d * f)
+    g = GPT.kwargs
+    d, f, layers = g["d_model"], g["d_model"] * 4, g["n_layers"]
+    linear_bytes = 4 * layers * (4 * d * d + 2 * d * f)
     assert tp.param_bytes == ddp.param_bytes - linear_bytes // 2
     # Rank 0 holds stage 0: the embeddings and the first block, not the head and final norm.
-    head_and_norm = 4 * (d * GPT.vocab_size + 2 * d)
-    block = linear_bytes // GPT.n_layers + 4 * 4 * d
+    head_and_norm = 4 * (d * g["vocab_size"] + 2 * d)
+    block = linear_bytes // layers + 4 * 4 * d
     assert pp.param_bytes == ddp.param_bytes - head_and_norm - block
 
 

@@ -8,8 +8,8 @@ from stages.train import TrainInputs
 from tests.helpers import run_world
 from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig
 
-MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, seq_len=16)
-DATA = DataConfig(num_samples=256)
+MODEL = ModelConfig(kwargs=dict(vocab_size=256, d_model=32, n_layers=1, n_heads=2, seq_len=16))
+DATA = DataConfig(kwargs=dict(num_samples=256, seq_len=16, vocab_size=256))
 
 
 def inputs(micro_batch: int, steps: int = 12, grad_accum: int = 1) -> TrainInputs:

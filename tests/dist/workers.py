@@ -45,7 +45,7 @@ def train_ddp(inputs: object) -> object:
 
     from stages.train import run
 
-    plan = SimpleNamespace(flops_per_sample=1.0)
+    plan = SimpleNamespace(flops_per_sample=1.0, prediction=lambda strategy, world: None)
     lr_find = SimpleNamespace(suggested_lr=1e-2, lr_scaling="none", finder_batch=8)
     return run(inputs, plan=plan, lr_find=lr_find, baseline=None, checkpoints=Path(tempfile.mkdtemp()))
 
@@ -58,7 +58,7 @@ def train_any(inputs: object) -> object:
     from stages.train import run
 
     inputs, ckpt = inputs
-    plan = SimpleNamespace(flops_per_sample=1.0, recommended_strategy="zero3")
+    plan = SimpleNamespace(flops_per_sample=1.0, recommended_strategy="zero3", prediction=lambda strategy, world: None)
     return run(inputs, plan=plan, lr_find=SimpleNamespace(suggested_lr=1e-2, lr_scaling="none", finder_batch=8), baseline=None, checkpoints=Path(ckpt))
 
 
@@ -70,13 +70,14 @@ def train_crash_once(inputs: object) -> object:
     import training.loop as loop
 
     inputs, ckpt, marker, kill_step = inputs
-    original = loop._accumulate
+    original = loop.optimizer_step
+    steps = iter(range(10**9))
 
-    def crashing(parallel, pool_x, pool_y, batches, step, dev, step_loss):  # noqa: ANN001
-        if step == kill_step and dist.get_rank() == 1 and not Path(marker).exists():
+    def crashing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - optimizer_step's own
+        if next(steps) == kill_step and dist.get_rank() == 1 and not Path(marker).exists():
             Path(marker).touch()
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(parallel, pool_x, pool_y, batches, step, dev, step_loss)
+        return original(*args, **kwargs)
 
-    loop._accumulate = crashing
+    loop.optimizer_step = crashing
     return train_any((inputs, ckpt))

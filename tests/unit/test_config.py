@@ -19,7 +19,8 @@ def test_defaults_compose_to_the_documented_run(compose_cfg):
 def test_card_form_and_groups(compose_cfg):
     cfg = compose_cfg("strategy=ddp", "nodes=4", "model=mlp", "data=blobs", "tracking=none")
     assert cfg.nodes * cfg.procs_per_node == 4
-    assert cfg.model.kind == "mlp" and cfg.tracking.name == "none"
+    assert cfg.model.target == "training.models.mlp.build" and cfg.tracking.name == "none"
+    assert cfg.model.kwargs["in_features"] == cfg.data.kwargs["num_features"] == 32
 
 
 def test_procs_per_node_defaults_to_the_gpus(compose_cfg):
@@ -34,10 +35,10 @@ BAD = [
     (["strategy=zero9"], "strategy=zero9: no such option; available: auto, ddp, hybrid, pp, tp, zero1, zero2, zero3"),
     (["strategy=hybrid", "strategy.dp_shard=3"], "= 3, but the world size is 2"),
     (["strategy=hybrid", "strategy.dp_shard=-1", "strategy.tp=-1"], "are all -1"),
-    (["strategy=tp", "nodes=3"], "strategy.tp=3: must divide model.n_heads=4"),
-    (["strategy=pp", "nodes=3"], "strategy.pp=3: more pipeline stages than model.n_layers=2"),
+    (["strategy=tp", "nodes=3"], "strategy.tp=3: must divide"),
+    (["strategy=pp", "nodes=3"], "strategy.pp=3: more pipeline stages than the 2 blocks of model=gpt-tiny"),
     (["strategy=pp", "strategy.microbatches=3"], "strategy.microbatches=3: must divide the micro-batch of 8"),
-    (["strategy=tp", "model=mlp", "data=blobs"], "strategy.tp=2: model=mlp (mlp) has no attention"),
+    (["strategy=tp", "model=mlp", "data=blobs"], "strategy.tp=2: model=mlp has no tensor-parallel plan"),
     (["strategy.precision=fp16"], "strategy.precision='fp16': needs CUDA"),
     (["strategy.tp=0"], "strategy.tp=0: must be >= 1, -1"),
     (["launcher.setup=['export HF_TOKEN=abc']"], "launcher.setup='export HF_TOKEN=***': would write a secret"),
@@ -57,14 +58,14 @@ BAD = [
     (["train.lr=-0.1"], "train.lr=-0.1: must be a number > 0"),
     (["train.micro_batch=0"], "train.micro_batch=0"),
     (["train.schedule=linear"], "train.schedule='linear': must be one of cosine, constant"),
-    (["model=mlp"], "model=mlp (mlp) needs feature data"),
-    (["model.n_heads=3"], "model.n_heads=3: must divide d_model=64"),
-    (["data=text", "model.vocab_size=100"], "model.vocab_size=100: data=text is byte-level"),
+    (["model=mlp"], "model.in_features: Interpolation key 'data.num_features' not found"),
+    (["model.n_heads=3"], "model='gpt-tiny': training.models.gpt.build raised ValueError: n_heads=3 must divide d_model=64"),
+    (["data=text", "model.vocab_size=100"], "data='text': a batch of text does not fit model=gpt-tiny (IndexError"),
     (["bandwidth.max_bytes=4", "bandwidth.min_bytes=8"], "bandwidth.max_bytes=4: must be >= min_bytes=8"),
     (["bandwidth.collectives=[all_reduce,gossip]"], "bandwidth.collectives='gossip'"),
     (["lr_find.max_lr=1e-9"], "lr_find.max_lr=1e-09: must be > min_lr"),
     (["lr_find.suggestion=magic"], "lr_find.suggestion='magic'"),
-    (["data.num_samples=4"], "data.num_samples=4: must hold at least one global batch"),
+    (["data.num_samples=4"], "data='markov': holds 4 samples, fewer than one global batch"),
     (["only=[nope]"], "only='nope': is not a stage of pipeline=full"),
     (["force=[train,nope]"], "force='nope'"),
     (["launcher.backend=nccl"], "launcher.backend='nccl': needs CUDA GPUs"),

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from stages.plan import PlanInputs, whatif
-from training.config import DataConfig, ModelConfig
+from training.anatomy import measure_anatomy
+from training.config import ModelConfig
 from training.costmodel import (
     BUS_FACTOR,
     Degrees,
@@ -15,25 +17,58 @@ from training.costmodel import (
     Shape,
     activation_tensor_bytes,
     fit_link,
-    gpt_shape,
     pipeline_bubble,
     state_memory,
 )
-from training.models import build_model
+from training.data import first_samples, markov
+from training.models import build_model, model_loss
+from training.models.spec import model_spec
 
 GB, MIB = 1e9, 1024**2
 
 
 def flat(params: float) -> Shape:
     """A model that is all block parameters, none of them split by TP."""
-    return Shape(int(params), 1, 0, 1024, 512, 16, 1, 0, 0)
+    return Shape(params=int(params), layers=1, block_linear_params=0, hidden=1024, seq_len=512, heads=16,
+                 first_stage_params=0, last_stage_params=0)
 
 
-@pytest.mark.parametrize("cfg", [ModelConfig(), ModelConfig(d_model=96, n_layers=3, n_heads=6, seq_len=32, vocab_size=100)])
-def test_gpt_shape_counts_the_real_models_parameters(cfg):
-    model = build_model(cfg, DataConfig(), seed=0)
-    shape = gpt_shape(cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.ffn_mult)
-    assert shape.params == sum(p.numel() for p in model.parameters())
+def gpt(vocab: int = 256, seq: int = 64, d: int = 64, layers: int = 2, heads: int = 4, meta: bool = True):
+    """The built-in GPT measured from its module, and its hand-counted parameters (no biases in the
+    linears, two LayerNorms per block, untied head)."""
+    cfg = ModelConfig(kwargs=dict(vocab_size=vocab, seq_len=seq, d_model=d, n_layers=layers, n_heads=heads))
+    with torch.device("meta" if meta else "cpu"):
+        model = build_model(cfg, seed=0)
+    batch = first_samples(markov(4, seq, vocab), 2)
+    if meta:
+        batch = tuple(t.to("meta") for t in batch)
+    anatomy = measure_anatomy(model, model_spec(model, cfg), model_loss(cfg), batch)
+    linears = layers * (4 * d * d + 2 * d * 4 * d)
+    hand = {"first": vocab * d + seq * d, "last": 2 * d + d * vocab, "linears": linears,
+            "params": vocab * d + seq * d + linears + layers * 4 * d + 2 * d + d * vocab}
+    return anatomy, hand
+
+
+@pytest.mark.parametrize("shape", [(256, 64, 64, 2, 4), (100, 32, 96, 3, 6)])
+def test_the_shape_measured_from_the_module_is_the_hand_count(shape):
+    anatomy, hand = gpt(*shape)
+    vocab, seq, d, layers, heads = shape
+    s = anatomy.shape
+    assert (s.params, s.first_stage_params, s.last_stage_params, s.block_linear_params) == (
+        hand["params"], hand["first"], hand["last"], hand["linears"])
+    assert (s.layers, s.hidden, s.seq_len, s.heads, s.pipeline) == (layers, d, seq, heads, True)
+    assert set(s.tp_sizes) == {d, 4 * d, heads}
+    # Training FLOPs: 6 per parameter per token, plus attention's score and value products
+    # (PaLM's appendix B: 12 * layers * width * sequence per token); the embeddings' lookups are free.
+    expected = 6 * (hand["params"] - hand["first"]) * seq + 12 * layers * d * seq * seq
+    assert anatomy.flops_per_sample == pytest.approx(expected, rel=0.02)
+    assert anatomy.tokens_per_sample == seq
+
+
+def test_the_meta_device_measures_what_the_cpu_measures():
+    on_meta, _ = gpt(meta=True)
+    on_cpu, _ = gpt(meta=False)
+    assert on_meta == on_cpu
 
 
 def test_zero_paper_7_5b_on_64_gpus():
@@ -161,7 +196,7 @@ def test_every_collective_call_pays_the_latency_ddp_per_bucket_fsdp_per_unit():
     gather for every unit but the root; zero2 no backward gather; the clip norm one more call."""
     from training.costmodel import comm_time, ddp_buckets, fsdp_units
 
-    shape = gpt_shape(256, 64, 64, 2, 4, 4)
+    shape = gpt()[0].shape
     alpha = 1e-3
     wire = Link(alpha_s=alpha, busbw_gbps=float("inf"), world=2)
     assert fsdp_units(shape) == 3

@@ -136,11 +136,26 @@ def _assert_same(a: object, b: object) -> None:
         assert a == b
 
 
+def stepper(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches,
+            loss_fn: Callable[[nn.Module, Tensor, Tensor], Tensor] = _mse) -> Callable[[], Tensor]:
+    """A training step on the next batch, as the finder is given one: its loss before the step."""
+
+    def step() -> Tensor:
+        inputs, targets = next(batches)
+        loss = loss_fn(model, inputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
 def _run(
     model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches, max_lr: float, num_iters: int = 30
 ) -> RangeTest:
     return range_test(
-        model, optimizer, batches, _mse, 1e-5, max_lr, num_iters, beta=0.9, diverge_threshold=4.0
+        model, optimizer, stepper(model, optimizer, batches), 1e-5, max_lr, num_iters, beta=0.9, diverge_threshold=4.0
     )
 
 
@@ -188,7 +203,8 @@ def test_state_is_restored_when_the_loss_fn_raises() -> None:
         return _mse(model, inputs, targets)
 
     with pytest.raises(RuntimeError, match="boom"):
-        range_test(model, optimizer, batches, flaky, 1e-5, 1e-1, 30, beta=0.9, diverge_threshold=4.0)
+        range_test(model, optimizer, stepper(model, optimizer, batches, flaky), 1e-5, 1e-1, 30, beta=0.9,
+                   diverge_threshold=4.0)
     _assert_same(model.state_dict(), model_before)
     _assert_same(optimizer.state_dict(), optimizer_before)
 
@@ -202,7 +218,7 @@ def test_a_non_finite_loss_stops_without_recording_it() -> None:
         return loss * math.nan if next(calls) == 10 else loss
 
     result = range_test(
-        model, optimizer, batches, nan_at_ten, 1e-5, 1e-3, 30, beta=0.9, diverge_threshold=4.0
+        model, optimizer, stepper(model, optimizer, batches, nan_at_ten), 1e-5, 1e-3, 30, beta=0.9, diverge_threshold=4.0
     )
     assert result.stopped_early and len(result.losses) == 10
 

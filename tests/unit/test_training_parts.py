@@ -6,13 +6,25 @@ import math
 
 import pytest
 import torch
+from torch.utils.data import default_collate
 
-from training.config import DataConfig, ModelConfig
-from training.data import GlobalBatches, make_pool, python_text_files
-from training.flops import flops_per_sample
+from training.anatomy import measure_anatomy
+from training.config import ModelConfig, StrategyConfig
+from training.data import (
+    GlobalBatches,
+    StepSampler,
+    blobs,
+    first_samples,
+    markov,
+    python_text,
+    python_text_files,
+)
 from training.loop import lr_lambda
 from training.memory import SavedActivations, state_bytes
-from training.models import build_model, loss_fn
+from training.models import batch_loss, build_model, model_loss
+from training.models.spec import model_spec
+
+TINY = ModelConfig(kwargs=dict(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2))
 
 
 def _rows(micro: int, accum: int, world: int, step: int) -> list[torch.Tensor]:
@@ -29,37 +41,42 @@ def test_global_batch_is_the_same_rows_whatever_the_split(micro, accum, world):
         assert sorted(rows.tolist()) == sorted(torch.cat(_rows(8, 1, 1, step)).tolist())
 
 
-def test_pools_are_seeded_and_shaped():
-    model = ModelConfig(seq_len=16, vocab_size=64)
-    for data in (DataConfig(kind="markov", num_samples=32), DataConfig(kind="text", num_samples=32)):
-        x, y = make_pool(data, model, seed=1)
-        assert x.shape == y.shape == (32, 16)
+def test_the_step_sampler_reads_each_steps_micro_batches_in_order():
+    deal = GlobalBatches(100, 2, 2, 1, 2, seed=3)
+    batches = list(StepSampler(deal, first=3, steps=5))
+    assert batches == [deal.rows(s, a).tolist() for s in (3, 4) for a in (0, 1)]
+
+
+def test_built_in_data_sets_are_seeded_and_shaped():
+    for data in (markov(32, 16, 64, seed=1), python_text(32, 16)):
+        x, y = first_samples(data, 32)
+        assert x.shape == y.shape == (32, 16) and len(data) == 32
         assert torch.equal(x[:, 1:], y[:, :-1]), "targets are the inputs shifted by one"
-        assert torch.equal(x, make_pool(data, model, seed=1)[0])
-    x, y = make_pool(DataConfig(kind="blobs", num_samples=50, num_features=5, num_classes=3), model, seed=1)
+    assert torch.equal(first_samples(markov(32, 16, 64, seed=1), 32)[0], first_samples(markov(32, 16, 64, seed=1), 32)[0])
+    x, y = first_samples(blobs(50, 5, 3, seed=1), 50)
     assert x.shape == (50, 5) and int(y.max()) < 3
 
 
 def test_text_is_pythons_own_source():
-    x, _ = make_pool(DataConfig(kind="text", num_samples=4), ModelConfig(seq_len=32), seed=0)
+    x, _ = first_samples(python_text(4, 32), 4)
     first = python_text_files()[0].read_bytes()[:32]
     assert bytes(x[0].tolist()) == first
 
 
-def test_markov_tokens_have_few_successors():
-    x, y = make_pool(DataConfig(kind="markov", num_samples=256, branching=3), ModelConfig(seq_len=32, vocab_size=16), 0)
-    successors = {}
-    for a, b in zip(x.flatten().tolist(), y.flatten().tolist(), strict=True):
-        successors.setdefault(a, set()).add(b)
-    assert max(len(s) for s in successors.values()) <= 3
+def test_markov_tokens_have_few_successors_even_with_a_large_vocabulary():
+    for vocab in (16, 32000):
+        x, y = first_samples(markov(256, 32, vocab, branching=3), 256)
+        successors = {}
+        for a, b in zip(x.flatten().tolist(), y.flatten().tolist(), strict=True):
+            successors.setdefault(a, set()).add(b)
+        assert max(len(s) for s in successors.values()) <= 3
 
 
 def test_gpt_starts_near_uniform_loss():
-    model_cfg = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
-    model = build_model(model_cfg, DataConfig(), seed=0)
-    x, y = make_pool(DataConfig(num_samples=8), model_cfg, seed=0)
+    model = build_model(TINY, seed=0)
+    x, y = batch = first_samples(markov(8, 16, 64), 8)
     assert model(x).shape == (8, 16, 64)
-    assert loss_fn(model, x, y).item() == pytest.approx(math.log(64), rel=0.05)
+    assert batch_loss(model, batch, model_loss(TINY)).item() == pytest.approx(math.log(64), rel=0.05)
 
 
 def test_schedule_warms_up_then_decays_to_a_tenth():
@@ -80,9 +97,11 @@ def test_memory_and_flops_are_counted_from_the_model():
     n = sum(p.numel() for p in model.parameters())
     assert params == grads == 4 * n and optim >= 8 * n
     assert saved.bytes >= 4 * 4 * 20, "at least the hidden activations are saved"
-    flops = flops_per_sample(model, lambda m, a, b: torch.nn.functional.cross_entropy(m(a), b), x, y)
+    cfg = ModelConfig(target="torch.nn.Linear")
+    anatomy = measure_anatomy(model, model_spec(model, cfg), model_loss(cfg), (x, y))
     # fwd 2N + bwd 4N per weight, except the first layer, which needs no gradient of its input.
-    assert flops == 4 * 10 * 20 + 6 * 20 * 3
+    assert anatomy.flops_per_sample == 4 * 10 * 20 + 6 * 20 * 3
+    assert anatomy.tokens_per_sample == 1 and anatomy.shape.params == n
 
 
 def test_strategy_overheads_are_measured_on_a_one_rank_group_that_is_then_gone():
@@ -94,11 +113,11 @@ def test_strategy_overheads_are_measured_on_a_one_rank_group_that_is_then_gone()
     from training.overhead import measure_overheads
 
     torch.set_num_threads(1)
-    model = build_model(ModelConfig(), DataConfig(), seed=0)
-    pool = make_pool(DataConfig(), ModelConfig(), seed=0)
-    x, y = pool[0][:8].clone(), pool[1][:8].clone()
-    result = measure_overheads(model, lambda net: loss_fn(net, x, y), ["ddp", "zero1", "zero3", "tp", "pp"],
-                               torch.device("cpu"), grad_clip=1.0, bucket_cap_mb=25.0, rounds=2, steps=2)
+    cfg = ModelConfig()
+    model = build_model(cfg, seed=0)
+    batch = default_collate([markov(8, 64, 256)[i] for i in range(8)])
+    result = measure_overheads(model, cfg, model_loss(cfg), batch, ["ddp", "zero1", "zero3", "tp", "pp"],
+                               torch.device("cpu"), grad_clip=1.0, base=StrategyConfig(), rounds=2, steps=2)
     assert set(result.seconds) == {"ddp", "zero1", "zero3", "tp"}
     assert result.seconds["zero3"] > 0 and result.bare_step_s > 0
     assert all(v >= 0 for v in result.seconds.values())

@@ -1,9 +1,10 @@
-"""A small decoder-only transformer, laid out for the parallelism functions.
+"""A small decoder-only transformer: the built-in model, declared like any user model.
 
-Blocks live in a ModuleDict (`layers`) and the embedding, final norm and output head may be set
-to None, so that a pipeline stage can delete what it doesn't own (torchtitan's layout). Attention
-uses separate q/k/v/o projections and the MLP two linears: Megatron's column-then-row split
-applies to them directly.
+It says what only it can say, the way a user's model does: its blocks live in a ModuleDict
+(`layers`, found as the longest list of same-class children); `_tp_plan` splits attention's q/k/v
+and the first feed-forward linear by columns and their partners by rows (Megatron's pairing, in
+Hugging Face's words); `pp_first`/`pp_last` name what only the first and last pipeline stage keep,
+and its forward skips whatever a stage removed (torchtitan's layout).
 """
 
 from __future__ import annotations
@@ -60,6 +61,14 @@ class Block(nn.Module):
 class GPT(nn.Module):
     pp_first = ("tok_embeddings", "pos_embeddings")
     pp_last = ("norm", "output")
+    _tp_plan = {
+        "layers.*.attention.wq": "colwise",
+        "layers.*.attention.wk": "colwise",
+        "layers.*.attention.wv": "colwise",
+        "layers.*.attention.wo": "rowwise",
+        "layers.*.feed_forward.w1": "colwise",
+        "layers.*.feed_forward.w2": "rowwise",
+    }
 
     def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int, ffn_mult: int):
         super().__init__()
@@ -80,6 +89,14 @@ class GPT(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
+
+
+def build(vocab_size: int = 256, seq_len: int = 64, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
+          ffn_mult: int = 4) -> GPT:
+    """The factory `model=gpt-*` names (`_target_: training.models.gpt.build`)."""
+    if d_model % n_heads:
+        raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
+    return GPT(vocab_size, seq_len, d_model, n_layers, n_heads, ffn_mult)
 
 
 def _init_weights(module: nn.Module) -> None:

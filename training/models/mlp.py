@@ -6,6 +6,11 @@ import torch
 from torch import nn
 
 
+def build(in_features: int, num_classes: int, hidden: int = 256, depth: int = 3) -> MLP:
+    """The factory `model=mlp` names; its input and output sizes come from the data's."""
+    return MLP(in_features, hidden, depth, num_classes)
+
+
 class MLP(nn.Module):
     pp_first: tuple[str, ...] = ()
     pp_last = ("output",)

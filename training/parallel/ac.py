@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from training.models.spec import Block
 
-def apply_ac(model: nn.Module) -> nn.Module:
-    """Wrap every block of `model.layers` so that only its input is saved for backward."""
-    for name, block in list(model.layers.items()):
-        model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
-    return model
+
+def apply_ac(blocks: list[Block]) -> None:
+    """Wrap every block in place so that only its input is saved for backward."""
+    for block in blocks:
+        block.replace(checkpoint_wrapper(block.module, preserve_rng_state=False))

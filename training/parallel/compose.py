@@ -1,6 +1,7 @@
 """One model-agnostic `apply_<technique>` per parallelism, composed here in torchtitan's order:
 PP split -> TP -> activation checkpointing -> FSDP (ZeRO-2/3, HSDP) or DDP (with ZeRO-1's
-sharded optimizer for zero1).
+sharded optimizer for zero1). Each technique reads what the model declared (its ModelSpec), never
+a module name of its own.
 
 `parallelize` returns a `Parallel`: this rank's part of the model and the few operations the
 training loop needs, so that the loop itself is the same for every strategy.
@@ -18,6 +19,8 @@ from torch import nn
 
 from training.config import StrategyConfig
 from training.dist import is_dist, rank, world_size
+from training.models import Batch, LossFn, forward
+from training.models.spec import ModelSpec
 from training.parallel.ac import apply_ac
 from training.parallel.ddp import BucketTimer, apply_ddp, time_buckets
 from training.parallel.dims import ParallelDims, resolve_dims  # noqa: F401 - re-exported
@@ -25,7 +28,6 @@ from training.parallel.fsdp import apply_fsdp
 from training.parallel.pp import apply_pp, build_schedule, is_first, is_last
 from training.parallel.tp import apply_tp
 
-LogitsLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -38,8 +40,8 @@ class Parallel:
     """Which slice of each global batch this rank trains on."""
     first_stage: bool
     last_stage: bool
-    forward_backward: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-    """(inputs, targets, scale) -> this rank's detached loss x scale (0 where it computes none)."""
+    forward_backward: Callable[[Batch, float], torch.Tensor]
+    """(batch, scale) -> this rank's detached loss x scale (0 where it computes none)."""
     no_sync: Callable[[], contextlib.AbstractContextManager]
     """Context that defers the gradient reduction (all but the last accumulation micro-batch)."""
     pp_group: dist.ProcessGroup | None
@@ -55,52 +57,74 @@ class Parallel:
         return self.dims.world_size // self.dims.pp
 
 
-def parallelize(model: nn.Module, strategy: StrategyConfig, dev: torch.device, logits_loss: LogitsLoss,
-                layout_only: bool = False) -> Parallel:
-    """Apply `strategy` to `model` (already on `dev`) over the default process group.
+@dataclass(frozen=True)
+class Techniques:
+    """Which apply_<technique> a strategy uses on these degrees."""
 
-    `layout_only` stops at the sharded model (no DDP wrapper, no pipeline schedule): what a dry
-    run on a fake process group and the meta device needs to measure each rank's share."""
-    dims = resolve_dims(strategy, world_size())
-    dtype = DTYPES[strategy.precision]
-    mesh, dp_mesh = dims.build_mesh(dev.type) if is_dist() and dims.world_size > 1 else (None, None)
-    first = last = True
-    if dims.pp_enabled:
-        model = apply_pp(model, mesh["pp"])
-        first, last = is_first(mesh["pp"]), is_last(mesh["pp"])
-    if dims.tp_enabled:
-        apply_tp(model, mesh["tp"])
-    if strategy.activation_checkpointing == "full":
-        apply_ac(model)
+    pp: bool
+    tp: bool
+    fsdp: bool
+    ddp: bool
+
+
+def techniques(strategy: StrategyConfig, dims: ParallelDims, probe: bool = False) -> Techniques:
+    """The techniques of `strategy` at `dims`. `probe`: apply the strategy's wrappers even at degree
+    1 (the overhead probe measures them on a one-rank group)."""
+    named = probe and dims.world_size == 1
+    tp = dims.tp_enabled or (named and strategy.name == "tp")
     # DDP cannot replicate DTensor (TP) parameters: replicas of a TP model go through HSDP instead.
-    fsdp = dims.fsdp_enabled or (dims.dp_replicate_enabled and dims.tp_enabled)
+    fsdp = dims.fsdp_enabled or (dims.dp_replicate_enabled and dims.tp_enabled) or (
+        named and strategy.name in ("zero2", "zero3"))
+    ddp = not fsdp and (dims.dp_replicate_enabled or (named and strategy.name in ("ddp", "zero1")))
+    return Techniques(pp=dims.pp_enabled, tp=tp, fsdp=fsdp, ddp=ddp)
+
+
+def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev: torch.device, loss: LossFn,
+                layout_only: bool = False, probe: bool = False) -> Parallel:
+    """Apply `strategy` to `model` (already on `dev`) over the default process group, in
+    torchtitan's order: PP split -> TP -> activation checkpointing -> FSDP or DDP.
+
+    `spec` is what the model declared (its blocks, plans). `layout_only` stops at the sharded model
+    (no DDP wrapper, no pipeline schedule): what a dry run on a fake process group and the meta
+    device needs to measure each rank's share. `probe` applies the wrappers on a one-rank group."""
+    dims = resolve_dims(strategy, world_size())
+    use = techniques(strategy, dims, probe)
+    dtype = DTYPES[strategy.precision]
+    wrapped = use.tp or use.fsdp or use.ddp or use.pp
+    mesh, dp_mesh = dims.build_mesh(dev.type) if is_dist() and wrapped else (None, None)
+    first = last = True
+    if use.pp:
+        model = apply_pp(model, spec.layout(model), mesh["pp"])
+        first, last = is_first(mesh["pp"]), is_last(mesh["pp"])
+    if use.tp:
+        apply_tp(model, spec.tp_plan(model), mesh["tp"])
+    if strategy.activation_checkpointing == "full":
+        apply_ac(spec.live_blocks())
     dp_group = None
-    if fsdp:
+    if use.fsdp:
         shard_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate_enabled else mesh["dp_shard"]
-        apply_fsdp(model, shard_mesh, strategy.reshard, dtype)
+        apply_fsdp(model, spec.live_blocks(), shard_mesh, strategy.reshard, dtype)
         dp_group = dp_mesh.get_group()
-    elif dims.dp_replicate_enabled and not layout_only:
+    elif use.ddp and not layout_only:
         dp_group = mesh["dp_replicate"].get_group()
-        model = apply_ddp(model, dev, strategy.bucket_cap_mb,
-                          strategy.find_unused_parameters or dims.pp_enabled, process_group=dp_group)
-    autocast = dtype is not None and not fsdp
-    scaler = _scaler(strategy, fsdp)
+        model = apply_ddp(model, dev, strategy.bucket_cap_mb, strategy.find_unused_parameters or dims.pp_enabled,
+                          process_group=dp_group, force=probe)
+    autocast = dtype is not None and not use.fsdp
+    scaler = _scaler(strategy, use.fsdp)
     coords = dims.coordinates(rank()) if mesh is not None else {"dp": 0}
-    pp_group = mesh["pp"].get_group() if dims.pp_enabled else None
+    pp_group = mesh["pp"].get_group() if use.pp else None
 
     def ctx():
         return torch.autocast(dev.type, dtype=dtype) if autocast else contextlib.nullcontext()
 
-    if layout_only:
-        forward_backward = _plain_step(model, logits_loss, ctx, scaler)
-    elif dims.pp_enabled:
-        loss_box = _ScaledLoss(logits_loss)
+    if use.pp and not layout_only:
+        loss_box = _ScaledLoss(loss)
         schedule = build_schedule(model, mesh["pp"], dev, strategy.microbatches, strategy.pp_schedule, loss_box)
         forward_backward = _pipeline_step(schedule, loss_box, first, last, dev, ctx, scaler)
     else:
-        forward_backward = _plain_step(model, logits_loss, ctx, scaler)
+        forward_backward = _plain_step(model, loss, ctx, scaler)
     no_sync = getattr(model, "no_sync", None) or contextlib.nullcontext
-    if fsdp:
+    if use.fsdp:
         no_sync = _fsdp_no_sync(model)
     timer = time_buckets(model) if strategy.time_buckets else None
     return Parallel(dims, model, coords["dp"], first, last, forward_backward, no_sync, pp_group, scaler,
@@ -110,17 +134,18 @@ def parallelize(model: nn.Module, strategy: StrategyConfig, dev: torch.device, l
 class _ScaledLoss:
     """The pipeline's loss function, scaled by 1/accumulation for the step it runs in."""
 
-    def __init__(self, logits_loss: LogitsLoss):
-        self.logits_loss, self.scale = logits_loss, 1.0
+    def __init__(self, loss: LossFn):
+        self.loss, self.scale = loss, 1.0
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.logits_loss(output, target) * self.scale
+        return self.loss(output, target) * self.scale
 
 
-def _plain_step(model: nn.Module, logits_loss: LogitsLoss, ctx, scaler) -> Callable:
-    def step(inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+def _plain_step(model: nn.Module, loss_fn: LossFn, ctx, scaler) -> Callable:
+    def step(batch: Batch, scale: float) -> torch.Tensor:
         with ctx():
-            loss = logits_loss(model(inputs), targets) * scale
+            output, target = forward(model, batch)
+            loss = loss_fn(output, target) * scale
         (scaler.scale(loss) if scaler is not None else loss).backward()
         return loss.detach().float()
 
@@ -131,7 +156,9 @@ def _pipeline_step(schedule, loss_box: _ScaledLoss, first: bool, last: bool, dev
     if scaler is not None:
         raise ValueError("strategy.precision=fp16 is not supported with pipeline parallelism; use bf16")
 
-    def step(inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+    def step(batch: Batch, scale: float) -> torch.Tensor:
+        assert not isinstance(batch, dict), "pipeline parallelism takes (input, target) batches (checked up front)"
+        inputs, targets = batch
         loss_box.scale = scale
         losses: list[torch.Tensor] = []
         with ctx():

@@ -20,15 +20,17 @@ def apply_ddp(
     bucket_cap_mb: float,
     find_unused_parameters: bool,
     process_group: ProcessGroup | None = None,
+    force: bool = False,
 ) -> nn.Module:
     """Wrap `model` in DDP over `process_group` (default: every rank). A world of one is left
-    unwrapped, so that the 1-device baseline pays no replication overhead. Around a pipeline
-    stage DDP needs find_unused_parameters=True (its reducer asserts on the second step otherwise)."""
-    if world_size() == 1:
+    unwrapped, so that the 1-device baseline pays no replication overhead, unless `force` (the
+    overhead probe measures the wrapper on one rank). Around a pipeline stage DDP needs
+    find_unused_parameters=True (its reducer asserts on the second step otherwise)."""
+    if world_size() == 1 and not force:
         return model
     return DistributedDataParallel(
         model,
-        device_ids=[dev.index] if dev.type == "cuda" else None,
+        device_ids=[dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else None,
         bucket_cap_mb=bucket_cap_mb,
         find_unused_parameters=find_unused_parameters,
         process_group=process_group,

@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from training.config import DataConfig, ModelConfig, StrategyConfig
+from training.config import ModelConfig, StrategyConfig
 from training.memory import tensor_bytes
-from training.models import build_model, logits_loss
+from training.models import build_model, model_loss
+from training.models.spec import model_spec
 from training.parallel.compose import parallelize, resolve_dims
 
 ADAM_STATES = 2
@@ -28,6 +29,7 @@ class RankShare:
     optim_bytes: int
     """AdamW's two fp32 moments for what this rank updates."""
     layers: int
+    """The model's blocks this rank holds."""
 
 
 def representative_ranks(strategy: StrategyConfig, world: int) -> list[int]:
@@ -36,13 +38,14 @@ def representative_ranks(strategy: StrategyConfig, world: int) -> list[int]:
     return [stage * (world // dims.pp) for stage in range(dims.pp)]
 
 
-def rank_share(model_cfg: ModelConfig, data_cfg: DataConfig, strategy: StrategyConfig, world: int, rank: int) -> RankShare:
+def rank_share(model_cfg: ModelConfig, strategy: StrategyConfig, world: int, rank: int) -> RankShare:
     """Build the sharded model as `rank` of `world` would, on a fake process group."""
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         with torch.device("meta"):
-            model = build_model(model_cfg, data_cfg, seed=0)
-        parallel = parallelize(model, strategy, torch.device("cpu"), logits_loss, layout_only=True)
+            model = build_model(model_cfg, seed=0)
+        spec = model_spec(model, model_cfg)
+        parallel = parallelize(model, spec, strategy, torch.device("cpu"), model_loss(model_cfg), layout_only=True)
         dims = parallel.dims
         local = sum(tensor_bytes(p) for p in parallel.model.parameters())
         elements = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
@@ -51,13 +54,13 @@ def rank_share(model_cfg: ModelConfig, data_cfg: DataConfig, strategy: StrategyC
         optim = ADAM_STATES * 4 * elements
         if strategy.shards_optimizer_only:
             optim //= dims.dp_size
-        return RankShare(rank, dims.coordinates(rank), held, local, optim, len(parallel.model.layers))
+        return RankShare(rank, dims.coordinates(rank), held, local, optim, len(spec.live_blocks()))
     finally:
         dist.destroy_process_group()
 
 
-def plan_layout(model_cfg: ModelConfig, data_cfg: DataConfig, strategy: StrategyConfig, world: int) -> list[RankShare]:
-    return [rank_share(model_cfg, data_cfg, strategy, world, r) for r in representative_ranks(strategy, world)]
+def plan_layout(model_cfg: ModelConfig, strategy: StrategyConfig, world: int) -> list[RankShare]:
+    return [rank_share(model_cfg, strategy, world, r) for r in representative_ranks(strategy, world)]
 
 
 def format_layout(shares: list[RankShare], strategy: StrategyConfig, world: int) -> str:
@@ -66,7 +69,7 @@ def format_layout(shares: list[RankShare], strategy: StrategyConfig, world: int)
     lines = [
         f"dry run: strategy={strategy.name} world={world} = pp {dims.pp} x dp_replicate {dims.dp_replicate} x "
         f"dp_shard {dims.dp_shard} x tp {dims.tp} (fake process group, meta device)",
-        f"{'rank':>6}  {'pp':>3}  {'layers':>6}  {'params GiB':>11}  {'grads GiB':>10}  {'optim GiB':>10}  {'total GiB':>10}",
+        f"{'rank':>6}  {'pp':>3}  {'blocks':>6}  {'params GiB':>11}  {'grads GiB':>10}  {'optim GiB':>10}  {'total GiB':>10}",
     ]
     for s in shares:
         total = s.param_bytes + s.grad_bytes + s.optim_bytes

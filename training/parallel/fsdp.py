@@ -7,16 +7,20 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from training.models.spec import Block
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, param_dtype: torch.dtype | None) -> nn.Module:
-    """Shard every block, then the root (which takes the embeddings and the head).
+
+def apply_fsdp(model: nn.Module, blocks: list[Block], dp_mesh: DeviceMesh, reshard_after_forward: bool,
+               param_dtype: torch.dtype | None) -> nn.Module:
+    """Shard every block, then the root (which takes whatever is left: embeddings, head).
 
     `reshard_after_forward=True` is ZeRO-3 (parameters gathered again in backward);
     False is ZeRO-2 (gathered parameters kept from forward to backward; gradients and optimizer
     state still sharded). A 2-D `dp_mesh` (replicate, shard) gives HSDP. With `param_dtype`,
-    compute runs in that dtype while gradients are reduced in fp32."""
+    compute runs in that dtype while gradients are reduced in fp32. A model without blocks is one
+    unit: correct, but its all-gather cannot overlap with compute."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    for block in blocks:
+        fully_shard(block.module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     return model

@@ -1,8 +1,7 @@
-"""Pipeline parallelism with torch.distributed.pipelining: split by layer, run a schedule.
+"""Pipeline parallelism with torch.distributed.pipelining: split by block, run a schedule.
 
-A model opts in by keeping its blocks in `layers` (a ModuleDict) and naming the modules that
-belong only to the first stage (`pp_first`, e.g. embeddings) and only to the last (`pp_last`,
-e.g. the final norm and the head); its forward skips whatever is None (torchtitan's layout).
+A model opts in by declaring its layout (training/models/spec.py: blocks in a ModuleDict,
+`pp_first`/`pp_last`, a forward that skips whatever is None; torchtitan's contract).
 """
 
 from __future__ import annotations
@@ -14,35 +13,38 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from training.models.spec import PipelineLayout
+
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 def stage_layers(names: list[str], stage: int, stages: int) -> list[str]:
-    """The contiguous run of layer names stage `stage` of `stages` owns (balanced by count)."""
+    """The contiguous run of block names stage `stage` of `stages` owns (balanced by count)."""
     n = len(names)
     return names[stage * n // stages : (stage + 1) * n // stages]
 
 
-def split_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
+def split_stage(model: nn.Module, layout: PipelineLayout, stage: int, stages: int) -> nn.Module:
     """Delete, in place, every part of `model` that stage `stage` doesn't own."""
-    if stages > len(model.layers):
-        raise ValueError(f"strategy.pp={stages} stages but the model has only {len(model.layers)} layers")
-    keep = set(stage_layers(list(model.layers.keys()), stage, stages))
-    for name in list(model.layers.keys()):
+    blocks = layout.container
+    if stages > len(blocks):
+        raise ValueError(f"strategy.pp={stages} stages but the model has only {len(blocks)} blocks")
+    keep = set(stage_layers(list(blocks.keys()), stage, stages))
+    for name in list(blocks.keys()):
         if name not in keep:
-            del model.layers[name]
+            del blocks[name]
     if stage > 0:
-        for name in model.pp_first:
+        for name in layout.first:
             setattr(model, name, None)
     if stage < stages - 1:
-        for name in model.pp_last:
+        for name in layout.last:
             setattr(model, name, None)
     return model
 
 
-def apply_pp(model: nn.Module, pp_mesh: DeviceMesh) -> nn.Module:
+def apply_pp(model: nn.Module, layout: PipelineLayout, pp_mesh: DeviceMesh) -> nn.Module:
     """Keep only this rank's stage of `model` (the first step of the composition)."""
-    return split_stage(model, pp_mesh.get_local_rank(), pp_mesh.size())
+    return split_stage(model, layout, pp_mesh.get_local_rank(), pp_mesh.size())
 
 
 def build_schedule(

@@ -1,36 +1,34 @@
-"""Tensor parallelism with DTensor: Megatron's column-then-row split inside each block.
+"""Tensor parallelism with DTensor, from the model's own plan (Hugging Face's strings).
 
-q/k/v and the first feed-forward linear are split by output columns, the attention output and
-the second feed-forward linear by input rows, so each block needs one all-reduce in forward
-(and one in backward) per sub-layer. Embeddings, norms and the head stay replicated.
+`colwise` splits a linear by output columns and `rowwise` by input rows: a column split followed
+by its row partner needs one all-reduce per pair in forward and one in backward (Megatron). The
+plan comes from the model (training/models/spec.py), resolved to module names.
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 
-BLOCK_PLAN = {
-    "attention.wq": ColwiseParallel(),
-    "attention.wk": ColwiseParallel(),
-    "attention.wv": ColwiseParallel(),
-    "attention.wo": RowwiseParallel(),
-    "feed_forward.w1": ColwiseParallel(),
-    "feed_forward.w2": RowwiseParallel(),
+STYLES = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
 }
 
 
-def supports_tp(model: nn.Module) -> bool:
-    """Whether every block has the projections the plan splits."""
-    names = {name for block in model.layers.values() for name, _ in block.named_modules()}
-    return all(key in names for key in BLOCK_PLAN)
-
-
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Split every block's projections over `tp_mesh`."""
-    if not supports_tp(model):
-        raise ValueError(f"{type(model).__name__} has no attention/feed-forward projections to split")
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, BLOCK_PLAN)
+def apply_tp(model: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh) -> nn.Module:
+    """Split the modules `plan` names (module name -> style) over `tp_mesh`; names the pipeline
+    split removed are skipped."""
+    present = {name for name, _ in model.named_modules()}
+    styles: dict[str, ParallelStyle] = {name: STYLES[style]() for name, style in plan.items() if name in present}
+    parallelize_module(model, tp_mesh, styles)
     return model

@@ -1,0 +1,102 @@
+"""What the cost model needs to know of a model, measured from the built module.
+
+Nothing is derived from a shape only one model has: the parameters are counted, the FLOPs of one
+forward + backward are counted by torch's FlopCounterMode, the bytes autograd saves for backward
+are counted by saved-tensor hooks, and a block's output is looked at for its width and positions.
+On the meta device all of it works without memory or compute (a 70 B model at its real shape in
+seconds on a laptop), which is how a what-if plan measures a model larger than any device here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from training.costmodel import Anatomy, Shape
+from training.memory import SavedActivations
+from training.models import Batch, LossFn, batch_loss, batch_size, tokens_per_sample
+from training.models.spec import ContractError, ModelSpec, tp_divisors
+
+
+def count_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, tuple | list):
+        return next((o for o in output if isinstance(o, torch.Tensor)), None)
+    for attr in ("last_hidden_state", "logits"):
+        if isinstance(getattr(output, attr, None), torch.Tensor):
+            return getattr(output, attr)
+    return None
+
+
+def measure_anatomy(model: nn.Module, spec: ModelSpec, loss: LossFn, batch: Batch) -> Anatomy:
+    """One counted forward and backward of `batch` through `model` (any device, meta included)."""
+    seen: dict[str, torch.Tensor] = {}
+    watched = spec.blocks[0].module if spec.blocks else model
+
+    def keep_output(module: nn.Module, args: object, output: object) -> None:
+        tensor = _first_tensor(output)
+        if tensor is not None and "out" not in seen:
+            seen["out"] = tensor
+
+    hook = watched.register_forward_hook(keep_output)
+    saved = SavedActivations(model)
+    try:
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as flops, saved:
+            batch_loss(model, batch, loss).backward()
+    finally:
+        hook.remove()
+        model.zero_grad(set_to_none=True)
+    samples = batch_size(batch)
+    out = seen.get("out")
+    hidden = out.shape[-1] if out is not None and out.dim() >= 2 else 1
+    positions = out.numel() // (samples * hidden) if out is not None else 1
+    return Anatomy(
+        shape=shape_of(model, spec, hidden, positions),
+        flops_per_sample=flops.get_total_flops() / samples,
+        activation_bytes_per_sample=saved.bytes / samples,
+        tokens_per_sample=tokens_per_sample(batch),
+    )
+
+
+def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> Shape:
+    """The parameter layout the cost model reasons about: blocks, what tensor parallelism splits,
+    what only the first and last pipeline stage hold, and what the TP degree must divide."""
+    params = count_params(model)
+    block_params = sum(count_params(b.module) for b in spec.blocks)
+    try:
+        plan = spec.tp_plan(model) if spec.plan is not None else {}
+    except ContractError:
+        plan = {}  # a plan we can't apply: TP is not an option for this model
+    split = sum(count_params(model.get_submodule(name)) for name in plan)
+    divisors = tp_divisors(model, plan) if plan else {}
+    heads = max((v for k, v in divisors.items() if not k.endswith("_features")), default=1)
+    try:
+        layout = spec.layout(model)
+        first = sum(count_params(getattr(model, a)) for a in layout.first if getattr(model, a, None) is not None)
+        last = sum(count_params(getattr(model, a)) for a in layout.last if getattr(model, a, None) is not None)
+        pipeline = True
+    except ContractError:
+        first, last, pipeline = params - block_params, 0, False
+    # Whatever belongs to neither a block nor a declared end (a shared norm, say) sits with the first stage.
+    first += params - block_params - first - last
+    return Shape(
+        params=params,
+        layers=len(spec.blocks),
+        block_linear_params=split,
+        hidden=hidden,
+        seq_len=positions,
+        heads=heads,
+        first_stage_params=first,
+        last_stage_params=last,
+        tp_sizes=tuple(sorted(set(divisors.values()))),
+        pipeline=pipeline,
+    )

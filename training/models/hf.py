@@ -1,0 +1,34 @@
+"""Hugging Face causal language models, built from their config in code (nothing downloaded).
+
+`model=hf-llama` names `causal_lm` with the model and config classes of one family; any causal-LM
+family of transformers works the same way. The model keeps its own declarations, which the
+parallel code reads like any user model's: `config.base_model_tp_plan` (colwise/rowwise strings
+relative to the base model) and `_no_split_modules` (the decoder layer: the FSDP and checkpointing
+unit). Its forward returns `.loss` when given labels, and its logits otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from torch import nn
+
+
+def _class(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def causal_lm(model_class: str, config_class: str, pretrained: str | None = None, **config: Any) -> nn.Module:
+    """`model_class(config_class(**config))`, or, with `pretrained` (a local directory holding
+    config.json and weights), `model_class.from_pretrained(pretrained, **config)`."""
+    model_type, config_type = _class(model_class), _class(config_class)
+    # Config classes take any keyword silently; a misspelt field would be a model that ignores it.
+    known = set(config_type().to_dict())
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise TypeError(f"{config_type.__name__} has no field {unknown[0]!r}")
+    if pretrained is not None:
+        return model_type.from_pretrained(pretrained, **config)
+    return model_type(config_type(**config))

@@ -1,0 +1,207 @@
+"""What only the model can say about itself, read from the built module and the `model` config.
+
+The parallel code (training/parallel/) reads these and names no module of any model:
+- **blocks**: the repeated units FSDP shards one by one, activation checkpointing recomputes and
+  pipeline stages are cut between. `model.blocks=<dotted path>` names their container; otherwise
+  the modules of the model's `_no_split_modules` classes (Hugging Face's FSDP unit), else the
+  longest `ModuleList`/`ModuleDict` whose children share one class.
+- **tensor-parallel plan**: module-name patterns -> `colwise`/`rowwise`/`colwise_rep`/
+  `rowwise_rep`, from `model.tp_plan`, else the model's own `config.base_model_tp_plan` (relative
+  to its base model, Hugging Face) or `_tp_plan`.
+- **pipeline layout** (torchtitan's contract): blocks in an `nn.ModuleDict` (names stay stable when
+  a stage deletes the others), `pp_first`/`pp_last` naming what only the first and last stage keep,
+  and a forward that skips whatever is None.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+from training.config import TP_STYLES, ModelConfig
+
+HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads", "n_heads", "num_heads", "n_head")
+"""Attributes that hold a head count, on the model's config or on any module: tensor parallelism
+must divide each."""
+
+
+class ContractError(ValueError):
+    """A model that does not declare what a strategy needs; the message says what to declare."""
+
+
+@dataclass(frozen=True)
+class Block:
+    parent: nn.Module
+    name: str
+    """The attribute of `parent` that holds the block (a ModuleList/ModuleDict key)."""
+
+    @property
+    def module(self) -> nn.Module:
+        return getattr(self.parent, self.name)
+
+    def replace(self, module: nn.Module) -> None:
+        setattr(self.parent, self.name, module)
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    container: nn.ModuleDict
+    first: tuple[str, ...]
+    """Attributes of the model only the first stage keeps (embeddings)."""
+    last: tuple[str, ...]
+    """Attributes only the last stage keeps (final norm, head)."""
+
+
+def find_blocks(model: nn.Module, path: str | None = None) -> list[Block]:
+    """The model's repeated blocks, in forward order (see the module docstring for the rules)."""
+    if path:
+        try:
+            container = model.get_submodule(path)
+        except AttributeError:
+            raise ContractError(f"model.blocks={path!r}: the model has no submodule there") from None
+        if not isinstance(container, nn.ModuleList | nn.ModuleDict | nn.Sequential):
+            raise ContractError(f"model.blocks={path!r} is a {type(container).__name__}; it must name an "
+                                "nn.ModuleList, nn.ModuleDict or nn.Sequential of the repeated blocks")
+        return [Block(container, name) for name, _ in container.named_children()]
+    classes = set(getattr(model, "_no_split_modules", None) or [])
+    if classes:
+        found = _blocks_of_classes(model, classes)
+        if found:
+            return found
+    return _longest_uniform_list(model)
+
+
+def _blocks_of_classes(model: nn.Module, classes: set[str]) -> list[Block]:
+    """Outermost modules whose class is named in `classes`, with their parents."""
+    blocks: list[Block] = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in classes and name and not any(name.startswith(t + ".") for t in taken):
+            parent_name, _, attr = name.rpartition(".")
+            blocks.append(Block(model.get_submodule(parent_name) if parent_name else model, attr))
+            taken.append(name)
+    return blocks
+
+
+def _longest_uniform_list(model: nn.Module) -> list[Block]:
+    best: nn.Module | None = None
+    for _, module in model.named_modules():
+        if isinstance(module, nn.ModuleList | nn.ModuleDict):
+            children = list(module.children())
+            if len(children) >= 1 and len({type(c) for c in children}) == 1:
+                if best is None or len(children) > len(list(best.children())):
+                    best = module
+    if best is None:
+        return []
+    return [Block(best, name) for name, _ in best.named_children()]
+
+
+def blocks_path(model: nn.Module, blocks: list[Block]) -> str | None:
+    """The dotted path of the blocks' container, when they share one."""
+    parents = {id(b.parent) for b in blocks}
+    if len(parents) != 1:
+        return None
+    return next((name for name, m in model.named_modules() if m is blocks[0].parent), None)
+
+
+def tp_plan(model: nn.Module, cfg: ModelConfig) -> tuple[dict[str, str], str] | None:
+    """The tensor-parallel plan with names from the model's root, and where it came from; None
+    when neither the config nor the model has one."""
+    if cfg.tp_plan:
+        return dict(cfg.tp_plan), "model.tp_plan"
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None)
+    if base:
+        prefix = getattr(model, "base_model_prefix", "")
+        root = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+        return {f"{root}{k}": v for k, v in base.items()}, f"{type(config).__name__}.base_model_tp_plan"
+    own = getattr(model, "_tp_plan", None)
+    if own:
+        return dict(own), f"{type(model).__name__}._tp_plan"
+    return None
+
+
+def _pattern(glob: str) -> re.Pattern[str]:
+    """A plan key as a regex: `*` matches one dotted name (a layer index)."""
+    return re.compile("^" + r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in glob.split(".")) + "$")
+
+
+def resolve_plan(model: nn.Module, plan: dict[str, str], source: str) -> dict[str, str]:
+    """The plan's patterns expanded to the module names they match, checked: every style is one
+    we apply and every pattern matches a linear layer."""
+    names = {name: module for name, module in model.named_modules()}
+    resolved: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if style not in TP_STYLES:
+            raise ContractError(f"{source}[{pattern!r}]={style!r}: supported styles are {', '.join(TP_STYLES)}; "
+                                "give a plan of those in model.tp_plan")
+        matched = [n for n in names if _pattern(pattern).match(n)]
+        if not matched:
+            raise ContractError(f"{source}[{pattern!r}] matches no module of {type(model).__name__}")
+        for name in matched:
+            if not isinstance(names[name], nn.Linear):
+                raise ContractError(f"{source}[{pattern!r}] matches {name}, a {type(names[name]).__name__}; "
+                                    "tensor parallelism splits nn.Linear layers")
+            resolved[name] = style
+    return resolved
+
+
+def tp_divisors(model: nn.Module, resolved: dict[str, str]) -> dict[str, int]:
+    """What the tensor-parallel degree must divide: the split widths and every head count."""
+    out: dict[str, int] = {}
+    for name, style in resolved.items():
+        linear = model.get_submodule(name)
+        if style.startswith("colwise"):
+            out[f"{name}.out_features"] = linear.out_features
+        else:
+            out[f"{name}.in_features"] = linear.in_features
+    holders = [getattr(model, "config", None), *model.modules()]
+    for holder in holders:
+        for attr in HEAD_ATTRS:
+            value = getattr(holder, attr, None) if holder is not None else None
+            if isinstance(value, int) and value > 0:
+                out[attr] = value
+    return out
+
+
+def pipeline_layout(model: nn.Module, blocks: list[Block]) -> PipelineLayout:
+    """The model's pipeline layout, or ContractError saying what to declare."""
+    first, last = getattr(model, "pp_first", None), getattr(model, "pp_last", None)
+    parents = {id(b.parent) for b in blocks}
+    container = blocks[0].parent if blocks else None
+    if first is None or last is None or len(parents) != 1 or not isinstance(container, nn.ModuleDict):
+        raise ContractError(
+            f"{type(model).__name__} declares no pipeline layout: keep its blocks in an nn.ModuleDict, set "
+            "pp_first and pp_last (the attributes only the first and the last stage keep, e.g. embeddings and "
+            "head) on the class, and let forward skip whatever is None; or use ddp, zero1/2/3 or tp")
+    return PipelineLayout(container, tuple(first), tuple(last))
+
+
+@dataclass
+class ModelSpec:
+    """One built model's declarations, as the parallel code reads them."""
+
+    blocks: list[Block]
+    plan: tuple[dict[str, str], str] | None
+    """The tensor-parallel plan (patterns from the root) and where it came from; None: no plan."""
+
+    def live_blocks(self) -> list[Block]:
+        """The blocks still in the model (a pipeline stage deletes the others)."""
+        return [b for b in self.blocks if b.name in dict(b.parent.named_children())]
+
+    def tp_plan(self, model: nn.Module) -> dict[str, str]:
+        """The plan resolved to module names; ContractError when the model has none."""
+        if self.plan is None:
+            raise ContractError(f"{type(model).__name__} has no tensor-parallel plan: give model.tp_plan "
+                                "(module-name pattern -> colwise/rowwise), or use ddp, zero1/2/3 or pp")
+        return resolve_plan(model, *self.plan)
+
+    def layout(self, model: nn.Module) -> PipelineLayout:
+        return pipeline_layout(model, self.blocks)
+
+
+def model_spec(model: nn.Module, cfg: ModelConfig) -> ModelSpec:
+    """Read `model`'s declarations (and the `model` config's overrides of them)."""
+    return ModelSpec(find_blocks(model, cfg.blocks), tp_plan(model, cfg))
