@@ -25,6 +25,7 @@ from pipelines.progress import StageProgress, progress_file
 from pipelines.redact import redact_mapping, redact_text
 from pipelines.schema import Config
 from pipelines.tracking import SUMMARY_ARTIFACT, Tracker, git_commit, make_tracker
+from pipelines.validate import keep_contract_facts
 from training.files import write_atomic
 
 SUMMARY = SUMMARY_ARTIFACT  # the run dir's file is the one logged at the root of its MLflow run
@@ -275,17 +276,20 @@ class Runner:
         summary.mlflow_run_id = self.tracker.run_id
         path = self.run_dir / SUMMARY
         stages = {n: o.as_json() for n, o in summary.stages.items()}
-        # Cluster launchers (slurm) name the jobs each stage ran as, baseline included.
-        for name, ids in getattr(self.launcher, "job_ids", {}).items():
+        launched = self.launcher.record()
+        # Cluster launchers (slurm) name the jobs each stage ran in, baseline included.
+        for name, ids in launched.get("jobs", {}).items():
             stage = name.removesuffix("-baseline")
             if stage in stages:
-                stages[stage].setdefault("jobs", []).extend(ids)
+                stages[stage].setdefault("jobs", [])
+                stages[stage]["jobs"] += [i for i in ids if i not in stages[stage]["jobs"]]
         payload = {
             "run": run_facts(self.cfg, self.placement),
             "placement": None if self.placement is None else {**self.placement.describe(),
                                                              "nodes": to_json(self.placement)["nodes"],
                                                              "changed": self.placement_changes},
             "stages": stages,
+            "launcher": {k: v for k, v in launched.items() if k != "jobs"},
             "mlflow_run_id": summary.mlflow_run_id,
             "ok": summary.ok,
             "run_dir": str(self.run_dir),
@@ -343,13 +347,14 @@ def run_facts(cfg: Config, placement: Placement | None = None) -> dict[str, Any]
 def run_pipeline(cfg: Config, run_dir: Path, echo=print) -> Summary:
     """Build the DAG, open tracking, run every selected stage, write summary.json."""
     dag = build(cfg.pipeline)  # fails on a bad DAG before MLflow or any process starts
-    launcher = make_launcher(cfg.launcher, run_dir, cfg.nodes * cfg.procs_per_node)
+    launcher = make_launcher(cfg.launcher, run_dir, WorldSpec(cfg.nodes, cfg.procs_per_node))
     try:
         tracker = make_tracker(cfg.tracking)
         study_run = tracker.study_run(cfg.study) if cfg.study and cfg.pipeline.name != "compare" else None
     except BaseException:
         launcher.close()
         raise
+    keep_contract_facts(cfg)
     world = cfg.nodes * cfg.procs_per_node
     facts = run_facts(cfg)
     tags = {"kind": "compare" if cfg.pipeline.name == "compare" else "invocation",

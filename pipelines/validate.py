@@ -48,12 +48,9 @@ def resolve(cfg: Config, gpus_per_node: int | None = None, uses_model: bool = Tr
     _check_compare(cfg)
     _check_calibrate(cfg)
     if uses_model:  # last: it builds the model and data
-        facts, path = contract_facts(cfg)
+        facts = contract_facts(cfg)
         _check_strategy(cfg, dims, facts)
         _check_batches(cfg, dims, facts)
-        if not path.exists():  # what it learnt is kept for the next invocation, once all checks pass
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, json.dumps(to_jsonable(facts)))
     return cfg
 
 
@@ -85,20 +82,40 @@ def _check_world(cfg: Config, gpus: int) -> None:
         )
 
 
-def contract_facts(cfg: Config) -> tuple[ContractFacts, Path]:
-    """The user's model and data checked (training/contract.py), or what an earlier invocation
-    learnt of the same model, data and code (the check builds both, which a re-run should not pay);
-    and the file it is kept in."""
-    from training.contract import describe
+_LEARNT: dict[Path, ContractFacts] = {}
+"""Facts checked in this process, not yet kept on disk (the pre-check and the run share them)."""
 
+
+def _contract_path(cfg: Config) -> Path:
     targets = [cfg.model.target, cfg.data.target, cfg.model.loss.target if cfg.model.loss else ""]
     key = digest({"model": to_jsonable(cfg.model), "data": to_jsonable(cfg.data), "seed": cfg.seed,
                   "code": code_version(), "targets": targets_code(targets)})[:24]
-    path = Path(cfg.cache_dir) / "contract" / f"{key}.json"
+    return Path(cfg.cache_dir) / "contract" / f"{key}.json"
+
+
+def contract_facts(cfg: Config) -> ContractFacts:
+    """The user's model and data checked (training/contract.py), or what this process or an
+    earlier invocation learnt of the same model, data and code: the check builds both, which a
+    re-run should not pay."""
+    from training.contract import describe
+
+    path = _contract_path(cfg)
+    if path in _LEARNT:
+        return _LEARNT[path]
     try:
-        return from_dict(ContractFacts, json.loads(path.read_text())), path
+        return from_dict(ContractFacts, json.loads(path.read_text()))
     except (OSError, ValueError, TypeError, KeyError):
-        return describe(cfg.model, cfg.data, cfg.seed), path
+        _LEARNT[path] = describe(cfg.model, cfg.data, cfg.seed)
+        return _LEARNT[path]
+
+
+def keep_contract_facts(cfg: Config) -> None:
+    """Keep what the checks learnt for the next invocation; called once the run starts, so that an
+    invocation stopped by bad input leaves nothing written."""
+    path = _contract_path(cfg)
+    if path in _LEARNT and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(to_jsonable(_LEARNT[path])))
 
 
 def _check_degrees(cfg: Config, gpus: int) -> ParallelDims:

@@ -49,8 +49,12 @@ class Launcher(Protocol):
     def run(self, task: Task, world: WorldSpec) -> Any:
         """Run `task` on every rank of `world`; rank 0's return value, or raise StageFailed."""
 
+    def record(self) -> dict[str, Any]:
+        """What summary.json should say of where the stages ran (allocations, job ids, worker
+        processes); empty when there is nothing beyond the placement."""
+
     def close(self) -> None:
-        """Release whatever the launcher started (clusters, daemons)."""
+        """Release whatever the launcher started (clusters, allocations, daemons)."""
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -78,11 +78,7 @@ class LocalLauncher:
 
     def run(self, task: Task, world: WorldSpec) -> Any:
         workdir = Path(task.workdir)
-        workdir.mkdir(parents=True, exist_ok=True)
-        for stale in [workdir / RESULT_FILE, *workdir.glob("error-rank*.json")]:
-            stale.unlink(missing_ok=True)
-        task_file = workdir / "task.pkl"
-        task_file.write_bytes(pickle.dumps(task))
+        task_file = write_task(task)
         port = free_port()
         procs: list[subprocess.Popen] = []
         try:
@@ -104,10 +100,7 @@ class LocalLauncher:
             self._wait(procs, workdir)
         finally:
             _kill(procs)
-        result_file = workdir / RESULT_FILE
-        if not result_file.exists():
-            raise StageFailed(f"{task.stage}: rank 0 exited cleanly but left no result (see {workdir}/rank0.log)")
-        return pickle.loads(result_file.read_bytes())
+        return read_result(task)
 
     def _wait(self, procs: list[subprocess.Popen], workdir: Path) -> None:
         """Return when every rank exited 0; raise on the first failure, after a grace period."""
@@ -120,7 +113,7 @@ class LocalLauncher:
                     time.sleep(POLL_S)
                 hung = [r for r, p in enumerate(procs) if p.poll() is None]
                 note = f"; still running after {self.cfg.grace_s:g} s and killed: ranks {hung}" if hung else ""
-                raise StageFailed(_describe_failure(procs, workdir) + note)
+                raise StageFailed(describe_failure(workdir, len(procs), _how_they_ended(procs)) + note)
             if all(c == 0 for c in codes):
                 return
             time.sleep(POLL_S)
@@ -136,31 +129,63 @@ class LocalLauncher:
         nodes = [dataclasses.replace(me, name=f"{me.hostname}/node{i}") for i in range(world.nodes)]
         return Placement("local", resolved_backend(self.cfg.backend, me), nodes)
 
+    def record(self) -> dict[str, Any]:
+        return {}
+
     def close(self) -> None:
         pass
 
 
-def _describe_failure(procs: list[subprocess.Popen], workdir: Path) -> str:
-    """Name the root cause: a rank that died without reporting (killed, or exited silently)
-    comes first, since the others' errors are then only its echo ("Connection reset by peer");
-    otherwise the rank whose exception came first."""
+def write_task(task: Task) -> Path:
+    """The task pickled into its work directory, stale results and error reports removed."""
+    workdir = Path(task.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    for stale in [workdir / RESULT_FILE, *workdir.glob("error-rank*.json")]:
+        stale.unlink(missing_ok=True)
+    task_file = workdir / "task.pkl"
+    task_file.write_bytes(pickle.dumps(task))
+    return task_file
+
+
+def read_result(task: Task) -> Any:
+    """Rank 0's result, left beside the task file by the worker."""
+    result_file = Path(task.workdir) / RESULT_FILE
+    if not result_file.exists():
+        raise StageFailed(f"{task.stage}: rank 0 exited cleanly but left no result (see {task.workdir}/rank0.log)")
+    return pickle.loads(result_file.read_bytes())
+
+
+def _how_they_ended(procs: list[subprocess.Popen]) -> dict[int, str]:
+    ended = {}
     for rank, proc in enumerate(procs):
         code = proc.returncode
-        if (workdir / ERROR_FILE.format(rank=rank)).exists():
-            continue
         if code is not None and code < 0:
-            return f"rank {rank} was killed by {signal.Signals(-code).name} (logs: {workdir})"
-        if code not in (None, 0):
-            return f"rank {rank} exited with code {code} without an error report (logs: {workdir})"
+            ended[rank] = f"was killed by {signal.Signals(-code).name}"
+        elif code not in (None, 0):
+            ended[rank] = f"exited with code {code}"
+    return ended
+
+
+def describe_failure(workdir: Path, world_size: int, ended: dict[int, str], note: str = "") -> str:
+    """Name the root cause. `ended`: the ranks that ended badly on their own, with how. One that
+    ended without an error report (killed, or exited silently) comes first, since the others'
+    errors are then only its echo ("Connection reset by peer"); otherwise the rank whose exception
+    came first."""
+    where = f"logs: {workdir}" + (f"; {note}" if note else "")
     reports = []
-    for rank in range(len(procs)):
+    for rank in range(world_size):
         path = workdir / ERROR_FILE.format(rank=rank)
         if path.exists():
             reports.append((json.loads(path.read_text()), rank))
+    reported = {rank for _, rank in reports}
+    silent = next(((rank, how) for rank, how in ended.items() if rank not in reported), None)
+    if silent is not None:
+        rank, how = silent
+        return f"rank {rank} {how} without an error report ({where})" if "exited" in how else f"rank {rank} {how} ({where})"
     if not reports:
-        return f"a rank failed without an error report (logs: {workdir})"
+        return f"a rank failed without an error report ({where})"
     report, rank = min(reports, key=lambda item: item[0]["time"])
-    return f"rank {rank} failed: {report['type']}: {report['message']} (logs: {workdir})"
+    return f"rank {rank} failed: {report['type']}: {report['message']} ({where})"
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:

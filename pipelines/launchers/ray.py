@@ -14,20 +14,16 @@ artifacts, logs) must sit at the same path on every node, e.g. on a shared files
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import json
-import math
 import os
 import pickle
 import re
 import secrets
 import shutil
 import socket
-import sys
 import tempfile
+import threading
 import time
-import traceback
 import uuid
 from pathlib import Path
 from typing import Any
@@ -36,18 +32,17 @@ import ray
 import ray.exceptions
 import ray.train
 import torch
-from ray.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train import BackendConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from pipelines.launchers.base import StageFailed, Task, WorldSpec, probe_placement, worker_pythonpath
-from pipelines.launchers.worker import ERROR_FILE, RESULT_FILE, run_task
+from pipelines.launchers.local import describe_failure
+from pipelines.launchers.ray_agent import WAIT_S, Command, Mailbox, agent
+from pipelines.launchers.worker import ERROR_FILE
 from pipelines.placement import Placement, resolved_backend
 from pipelines.schema import LauncherConfig
 from training.config import ConfigError
-from training.files import write_atomic
 
-ROOT = Path(__file__).resolve().parents[2]
-RESULT_KEY = "scalestudy_result"
 CONNECT_TIMEOUT_S = 5.0
 # Ray binds AF_UNIX sockets at <temp>/session_<date>_<pid>/sockets/plasma_store (about 66
 # characters below <temp>); Linux caps the whole path at 107.
@@ -56,10 +51,145 @@ MAX_TEMP_DIR_CHARS = 40
 AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
 
 
+class WorkerGroup:
+    """One Ray Train worker group serving stage after stage, driven through its mailbox."""
+
+    def __init__(self, cfg: LauncherConfig, run_dir: Path, size: int):
+        self.cfg, self.size = cfg, size
+        self.mailbox = Mailbox.remote(size)
+        self.name = f"group-{uuid.uuid4().hex[:8]}"  # a reused run name would resume that old run
+        self.error: BaseException | None = None
+        self.doomed = False
+        """A rank that hung was told to end its process: the group serves no further stage."""
+        self.commands = 0
+        use_gpu = torch.cuda.is_available()
+        self.resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+        backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_gpu else "gloo")
+        self.trainer = DataParallelTrainer(
+            agent,
+            train_loop_config={"mailbox": self.mailbox, "backend": backend, "timeout_s": cfg.timeout_s,
+                               "cpus_per_worker": cfg.cpus_per_worker},
+            backend_config=BackendConfig(),  # no process group from Ray: each stage makes its own
+            scaling_config=ScalingConfig(num_workers=size, use_gpu=use_gpu, resources_per_worker=self.resources,
+                                         placement_strategy="STRICT_SPREAD" if cfg.spread_nodes else "PACK"),
+            run_config=RunConfig(name=self.name, storage_path=str(run_dir / "ray-train"),
+                                 failure_config=FailureConfig(max_failures=cfg.max_failures)),
+        )
+        self.start = time.monotonic()
+        print(f"ray: worker group {self.name} SUBMITTED: {size} workers, {self.resources}", flush=True)
+        self.thread = threading.Thread(target=self._fit, name=self.name, daemon=True)
+        self.thread.start()
+        self.workers = self._wait_ready()
+        print(f"ray: worker group {self.name} RUNNING {time.monotonic() - self.start:.0f}s", flush=True)
+
+    def _fit(self) -> None:
+        try:
+            self.trainer.fit()
+        except BaseException as err:  # noqa: BLE001 - reported by the stage that was waiting on it
+            self.error = err
+
+    def alive(self) -> bool:
+        return self.thread.is_alive() and not self.doomed
+
+    def _wait_ready(self) -> list[dict[str, Any]]:
+        while True:
+            ready = ray.get(self.mailbox.ready.remote(WAIT_S))
+            if ready is not None:
+                return ready[1]
+            if not self.thread.is_alive():
+                raise StageFailed(f"the Ray worker group did not start: {_failure_text(self.error)}")
+
+    def run(self, task: Task, world: WorldSpec) -> Any:
+        ranks = world.size if world.distributed else 1
+        workdir = Path(task.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        for stale in [*workdir.glob("error-rank*.json"), *workdir.glob("rank*.pid")]:
+            stale.unlink()
+        cid = self.commands
+        self.commands += 1
+        ray.get(self.mailbox.submit.remote(Command(cid, pickle.dumps(task), ranks, world.distributed)))
+        start, generation, failed_at, seen = time.monotonic(), None, None, 0
+        try:
+            while True:
+                wait = WAIT_S if failed_at is None else 0.2
+                current, outcomes = ray.get(self.mailbox.outcomes.remote(cid, seen, wait))
+                seen = len(outcomes)
+                if generation is not None and current != generation:
+                    print(f"ray: worker group {self.name} restarted; {task.stage} runs again", flush=True)
+                    failed_at = None
+                generation = current
+                if len(outcomes) == ranks and all(o.ok for o in outcomes.values()):
+                    ready = ray.get(self.mailbox.ready.remote())
+                    self.workers = ready[1] if ready is not None else self.workers
+                    return pickle.loads(outcomes[0].result)
+                if any(not o.ok for o in outcomes.values()):
+                    failed_at = failed_at or time.monotonic()
+                    if len(outcomes) == ranks or time.monotonic() - failed_at > self.cfg.grace_s:
+                        hung = [r for r in range(ranks) if r not in outcomes]
+                        note = f"; still running after {self.cfg.grace_s:g} s and killed: ranks {hung}" if hung else ""
+                        self.doomed = bool(hung)
+                        raise StageFailed(describe_failure(workdir, ranks, {}) + note)
+                if not self.thread.is_alive():
+                    raise StageFailed(self._death(task))
+        finally:
+            print(f"ray: {task.stage} on {self.name} done {time.monotonic() - start:.0f}s", flush=True)
+            self._settle(cid)
+
+    def _settle(self, cid: int) -> None:
+        """Close the stage: ranks still in it (hung) end their process, and Ray Train replaces them."""
+        if self.thread.is_alive():
+            ray.get(self.mailbox.close.remote(cid))
+
+    def _death(self, task: Task) -> str:
+        """The group ended while the stage ran: a worker died and no restart was left."""
+        err = self.error
+        workdir = Path(task.workdir)
+        if isinstance(err, ray.train.WorkerGroupError):
+            died = {r: f"died: {_first_line(e)}" for r, e in sorted(err.worker_failures.items())
+                    if not (workdir / ERROR_FILE.format(rank=r)).exists()}
+            return describe_failure(workdir, max(err.worker_failures) + 1, died)
+        if isinstance(err, ray.train.ControllerError):
+            return _describe_controller_failure(err.controller_failure, workdir)
+        return f"the Ray worker group ended: {_failure_text(err)} (logs: {workdir})"
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "workers": [{k: w[k] for k in ("pid", "node_id", "host")} for w in self.workers]}
+
+    def stop(self) -> None:
+        """Agents leave their loop; Ray Train's fit returns."""
+        try:
+            ray.get(self.mailbox.stop.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - a dead group or mailbox has nothing left to stop
+            pass
+        self.thread.join(timeout=30)
+        print(f"ray: worker group {self.name} FINISHED {time.monotonic() - self.start:.0f}s", flush=True)
+
+
+def _failure_text(err: BaseException | None) -> str:
+    return _first_line(err) if err is not None else "no error reported"
+
+
+def _describe_controller_failure(err: BaseException, workdir: Path) -> str:
+    """A worker process that died (SIGKILL, OOM, segfault) surfaces as the controller's error;
+    its pid, matched against the pid files the workers left, names the rank."""
+    match = re.search(r"\bpid: (\d+)", str(err))
+    if isinstance(err, ray.exceptions.RayActorError) and match:
+        for path in workdir.glob("rank*.pid"):
+            if path.read_text().strip() == match.group(1):
+                rank = path.name.removeprefix("rank").removesuffix(".pid")
+                return (f"rank {rank} died: its process {match.group(1)} exited unexpectedly (killed, "
+                        f"out of memory or crashed) (logs: {workdir})")
+    return f"Ray Train failed: {_first_line(err)} (logs: {workdir})"
+
+
 class RayLauncher:
-    def __init__(self, cfg: LauncherConfig, run_dir: Path):
+    def __init__(self, cfg: LauncherConfig, run_dir: Path, invocation: WorldSpec | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir).resolve()
+        self.invocation = invocation
+        """The invocation's world: the size of the worker group one-device stages run on."""
+        self.group: WorkerGroup | None = None
+        self.groups: list[WorkerGroup] = []
         self.started = cfg.address is None
         self._scratch: Path | None = None
         self._saved_env: dict[str, str | None] = {}
@@ -105,56 +235,46 @@ class RayLauncher:
             raise ConfigError("launcher.address", address, f"cannot join a Ray cluster there: "
                               f"{str(err).strip().splitlines()[0]}") from None
 
+    def _size(self, world: WorldSpec) -> int:
+        """Workers the stage needs: a world stage its world; a one-device stage runs on rank 0 of
+        the group there is, or of the invocation's group (the stages after it will want it)."""
+        alive = self.group is not None and self.group.alive()
+        if world.distributed and not (alive and world.size <= self.group.size):
+            return max(world.size, self.invocation.size if self.invocation else 1)
+        if alive:
+            return self.group.size  # its first ranks: the 1-device baseline, a one-device stage
+        return max(world.size if world.distributed else 1, self.invocation.size if self.invocation else 1)
+
+    def _ensure(self, size: int) -> WorkerGroup:
+        group = self.group
+        if group is not None and group.alive() and group.size == size:
+            return group
+        if group is not None:
+            group.stop()
+        self.group = WorkerGroup(self.cfg, self.run_dir, size)
+        self.groups.append(self.group)
+        return self.group
+
     def run(self, task: Task, world: WorldSpec) -> Any:
-        workdir = Path(task.workdir)
-        workdir.mkdir(parents=True, exist_ok=True)
-        for stale in [*workdir.glob("error-rank*.json"), *workdir.glob("rank*.pid")]:
-            stale.unlink()
-        use_gpu = torch.cuda.is_available()
-        _check_resources(task.stage, world, self.cfg, use_gpu)
-        resources = {"CPU": self.cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
-        backend = self.cfg.backend if self.cfg.backend != "auto" else ("nccl" if use_gpu else "gloo")
-        trainer = TorchTrainer(
-            _train_fn,
-            train_loop_config={"task": task, "distributed": world.distributed},
-            torch_config=TorchConfig(backend=backend, timeout_s=math.ceil(self.cfg.timeout_s)),
-            scaling_config=ScalingConfig(
-                num_workers=world.size,
-                use_gpu=use_gpu,
-                resources_per_worker=resources,
-                placement_strategy="STRICT_SPREAD" if self.cfg.spread_nodes else "PACK",
-            ),
-            run_config=RunConfig(
-                # A reused name would resume that old run: every call gets its own.
-                name=(name := f"{task.stage}-{uuid.uuid4().hex[:8]}"),
-                storage_path=str(self.run_dir / "ray-train"),
-                failure_config=FailureConfig(max_failures=self.cfg.max_failures),
-            ),
-        )
-        start = time.monotonic()
-        print(f"ray: {task.stage} run {name} SUBMITTED: {world.size} workers, {resources}", flush=True)
-        try:
-            result = trainer.fit()
-        except ray.train.WorkerGroupError as err:
-            print(f"ray: {task.stage} run {name} FAILED {time.monotonic() - start:.0f}s", flush=True)
-            raise StageFailed(_describe_failure(err.worker_failures, workdir)) from None
-        except ray.train.ControllerError as err:
-            print(f"ray: {task.stage} run {name} FAILED {time.monotonic() - start:.0f}s", flush=True)
-            raise StageFailed(_describe_controller_failure(err.controller_failure, workdir)) from None
-        print(f"ray: {task.stage} run {name} FINISHED {time.monotonic() - start:.0f}s", flush=True)
-        encoded = (result.metrics or {}).get(RESULT_KEY)
-        if encoded is None:
-            raise StageFailed(f"{task.stage}: rank 0 finished but reported no result (logs: {workdir}/rank0.log)")
-        return pickle.loads(base64.b64decode(encoded))
+        size = self._size(world)
+        _check_resources(task.stage, WorldSpec(size, 1), self.cfg, torch.cuda.is_available())
+        return self._ensure(size).run(task, world)
 
     def placement(self, world: WorldSpec) -> Placement:
-        """Read on the workers themselves: a probe task on `world`."""
+        """Read on the workers themselves: a probe on the worker group every stage then uses."""
         found = probe_placement(self, "ray", self.cfg.backend, world, self.run_dir / "logs" / "placement")
         return dataclasses.replace(found, backend=resolved_backend(self.cfg.backend, found.nodes[0]))
 
+    def record(self) -> dict[str, Any]:
+        """For summary.json: each worker group (its workers' PIDs and Ray nodes) and its restarts."""
+        return {"worker_groups": [g.describe() for g in self.groups]}
+
     def close(self) -> None:
-        """Stop the Ray instance this launcher started; from a joined cluster, only disconnect
-        this driver (ray.shutdown does not stop a cluster it did not start)."""
+        """Stop the worker group, then the Ray instance this launcher started; from a joined cluster,
+        only disconnect this driver (ray.shutdown does not stop a cluster it did not start)."""
+        if self.group is not None:
+            self.group.stop()
+            self.group = None
         ray.shutdown()
         for key, value in self._saved_env.items():
             if value is None:
@@ -204,116 +324,8 @@ def _slots(resources: dict[str, float], cpus_per_worker: float, use_gpu: bool) -
     return min(slots, int(resources.get("GPU", 0))) if use_gpu else slots
 
 
-def _describe_failure(failures: dict[int, Exception], workdir: Path) -> str:
-    """The root cause first: a rank that died without an error report (its peers' errors are only
-    the echo of it), else the rank whose exception came first."""
-    died = [rank for rank in sorted(failures) if not (workdir / ERROR_FILE.format(rank=rank)).exists()]
-    if died:
-        return f"rank {died[0]} died: {_first_line(failures[died[0]])} (logs: {workdir})"
-    reports = [(json.loads((workdir / ERROR_FILE.format(rank=r)).read_text()), r) for r in failures]
-    report, rank = min(reports, key=lambda item: item[0]["time"])
-    return f"rank {rank} failed: {report['type']}: {report['message']} (logs: {workdir})"
-
-
-def _describe_controller_failure(err: BaseException, workdir: Path) -> str:
-    """A worker process that died (SIGKILL, OOM, segfault) surfaces as the controller's error;
-    its pid, matched against the pid files the workers left, names the rank."""
-    match = re.search(r"\bpid: (\d+)", str(err))
-    if isinstance(err, ray.exceptions.RayActorError) and match:
-        for path in workdir.glob("rank*.pid"):
-            if path.read_text().strip() == match.group(1):
-                rank = path.name.removeprefix("rank").removesuffix(".pid")
-                return (f"rank {rank} died: its process {match.group(1)} exited unexpectedly (killed, "
-                        f"out of memory or crashed) (logs: {workdir})")
-    return f"Ray Train failed: {_first_line(err)} (logs: {workdir})"
-
-
 def _first_line(err: BaseException) -> str:
     lines = [line for line in str(err).strip().splitlines() if line.strip()]
     return f"{type(err).__name__}: {lines[0] if lines else ''}"
 
 
-def _train_fn(config: dict[str, Any]) -> None:
-    """One Ray Train worker: our environment conventions, then the stage, then rank 0 reports."""
-    task: Task = config["task"]
-    ctx = ray.train.get_context()
-    rank = ctx.get_world_rank()
-    _set_worker_env(ctx, config["distributed"])
-    if not config["distributed"] and torch.distributed.is_initialized():
-        # one_device stages run without a process group, as under launcher=local.
-        torch.distributed.destroy_process_group()
-    workdir = Path(task.workdir)
-    (workdir / f"rank{rank}.pid").write_text(str(os.getpid()))
-    with _redirect_output(workdir / f"rank{rank}.log"):
-        result = _run_reporting_errors(task, rank, workdir)
-    if rank != 0:
-        # The call is collective: every rank reports once, only rank 0 carries the result.
-        ray.train.report({})
-        return
-    data = pickle.dumps(result)
-    with tempfile.TemporaryDirectory(prefix="ss-result-") as tmp:
-        write_atomic(Path(tmp) / RESULT_FILE, data)
-        ray.train.report({RESULT_KEY: base64.b64encode(data).decode()}, checkpoint=Checkpoint.from_directory(tmp))
-
-
-def _set_worker_env(ctx: Any, distributed: bool) -> None:
-    """The torchrun-style variables our code reads, and a thread count that shares this host."""
-    os.environ.update(
-        RANK=str(ctx.get_world_rank()),
-        WORLD_SIZE=str(ctx.get_world_size()),
-        LOCAL_RANK=str(ctx.get_local_rank()),
-        LOCAL_WORLD_SIZE=str(ctx.get_local_world_size()),
-        GROUP_RANK=str(_node_rank(distributed)),
-    )
-    threads = max(1, (os.cpu_count() or 1) // ctx.get_local_world_size())
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(ray.train.torch.get_device())
-
-
-def _node_rank(distributed: bool) -> int:
-    """This worker's Ray node, numbered in rank order. Ray Train's own node rank (and local rank)
-    groups workers by IP address, so two Ray nodes on one host would look like one node."""
-    node_id = ray.get_runtime_context().get_node_id()
-    if not (distributed and torch.distributed.is_initialized()):
-        return 0
-    ids: list[str | None] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(ids, node_id)
-    return list(dict.fromkeys(ids)).index(node_id)
-
-
-def _run_reporting_errors(task: Task, rank: int, workdir: Path) -> Any:
-    """run_task, leaving `error-rank<R>.json` behind on failure as the worker module does."""
-    try:
-        return run_task(task)
-    except BaseException as err:
-        report = {"type": type(err).__name__, "message": str(err).strip(), "traceback": traceback.format_exc(),
-                  "time": time.time()}
-        write_atomic(workdir / ERROR_FILE.format(rank=rank), json.dumps(report).encode())
-        raise
-
-
-class _redirect_output:
-    """Send this process's stdout and stderr (file descriptors 1 and 2) to `path`, appending, so
-    that rank logs sit where launcher=local puts them; restore Ray's own on exit."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.saved: list[int] = []
-
-    def __enter__(self) -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self.saved = [os.dup(1), os.dup(2)]
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-
-    def __exit__(self, *exc: object) -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for target, fd in zip((1, 2), self.saved, strict=True):
-            os.dup2(fd, target)
-            os.close(fd)

@@ -1,184 +1,103 @@
-"""launcher=slurm: each world or one_device stage runs as one Slurm job, submitted with submitit.
+"""launcher=slurm: one allocation per invocation, every stage a job step inside it.
 
-A `world` stage becomes a job of `nodes` x `procs_per_node` tasks; a `one_device` stage a 1-task
-job. Every task runs `SlurmTask`, which takes its place in the world from Slurm (submitit's
-TorchDistributedEnvironment: MASTER_ADDR is the first node), meets its peers through a TCPStore on
-a port rank 0 publishes in the job's folder, initialises torch.distributed as the local worker does
-and calls the same `run_task`.
+The invocation asks Slurm once, with sbatch, for `nodes` nodes of `procs_per_node` tasks (plus the
+launcher's options), and each world or one-device stage then runs as a job step of that
+allocation: `srun --jobid=<id> ... python -m pipelines.launchers.worker <task>` (the worker every
+launcher runs). So the queue is paid once, and `env` validates and `bandwidth` measures the very
+nodes `train` runs on. Job steps rather than one long-lived job whose tasks run every stage in
+turn: each stage gets fresh processes, as under launcher=local (a stage that hangs or crashes is
+killed alone, with --kill-on-bad-exit, and the allocation serves the next one), and Slurm itself
+accounts every stage (`sacct -j <id>` lists them).
 
-The job is requeueable: on preemption or time-out Slurm sends USR2, submitit calls
-`SlurmTask.checkpoint()`, which resubmits the same call; the train stage then resumes from its own
-distributed checkpoint. Job logs (one stdout/stderr pair per task) go to `<run_dir>/slurm/<stage>`.
+The allocation's batch script holds it while the driver lives (a heartbeat file the driver touches;
+a driver killed with SIGKILL frees it within HEARTBEAT_STALE_S) and, on USR2 (sent before the time
+limit, or by preemption), puts itself back in the queue (`scontrol requeue`, at most
+`launcher.max_requeues` times). The driver then waits for it to run again and re-runs the step it
+was in; the train stage resumes from its checkpoint. With `launcher.submit_only=true` the driver
+itself runs inside such an allocation (slurm_batch.py); it finds it in SCALESTUDY_SLURM_ALLOCATION.
+
+Job steps launch from the driver's host, so the repository, its virtual environment and the run
+directory must be at the same path on every node (a shared filesystem), as for every Slurm job.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import os
+import re
+import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import submitit
-
-from pipelines.launchers.base import StageFailed, Task, WorldSpec, probe_placement
+from pipelines.launchers.base import StageFailed, Task, WorldSpec, probe_placement, worker_pythonpath
+from pipelines.launchers.local import describe_failure, read_result, write_task
 from pipelines.launchers.worker import (
     BACKEND_ENV,
-    DEVICE_ENV,
     DISTRIBUTED_ENV,
+    ERROR_FILE,
+    LOCAL_WORLD_ENV,
+    RENDEZVOUS_ENV,
+    SLURM_STEP_ENV,
     TIMEOUT_ENV,
-    run_task,
-    setup_torch,
-    teardown_torch,
 )
 from pipelines.placement import Placement, resolved_backend
 from pipelines.schema import LauncherConfig
 from training.config import ConfigError
-from training.files import write_atomic
 
-ROOT = Path(__file__).resolve().parents[2]
+ALLOCATION_ENV = "SCALESTUDY_SLURM_ALLOCATION"
+"""Set by a submit_only batch job: the allocation the driver runs in, to use instead of asking."""
 SIGNAL_DELAY_S = 90
-"""Seconds before the time limit at which Slurm sends USR2 so that the job can checkpoint."""
+"""Seconds before the time limit at which Slurm sends the allocation USR2 (it requeues itself)."""
+HEARTBEAT_S = 5.0
+HEARTBEAT_STALE_S = 120
+"""An allocation whose driver has not touched its heartbeat for this long releases itself."""
 PENDING_CHECK_S = 2.0
-"""How long a job may be PENDING before its Reason is checked for one it can never leave."""
+"""How long an allocation may be PENDING before its Reason is checked for one it can never leave."""
 HOPELESS_REASONS = (
     "PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints", "InvalidAccount",
     "InvalidQOS", "QOSMaxNodePerJobLimit", "QOSMaxCpuPerJobLimit", "AssocMaxNodesPerJobLimit",
     "AssocMaxCpuPerJobLimit", "ReqNodeNotAvail, UnavailableNodes",
 )
 """squeue Reasons of a PENDING job that no amount of waiting resolves: the request is wrong."""
-PEER_ECHOES = ("Connection closed by peer", "Connection reset by peer")
-"""A rank that fails with these only echoes another rank's death; the root cause is elsewhere."""
-TAIL_LINES = 25
+LIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
+               "SUSPENDED", "COMPLETING")
+TASK_DIED = re.compile(r"srun: error: (\S+): tasks? ([\d\-,]+): (.+)")
 
 
-class SlurmTask(submitit.helpers.Checkpointable):
-    """The callable every task of a stage's job runs: set up the world, run the stage, return
-    rank 0's result. A requeued job calls it again with the same task, and the stage resumes
-    from its checkpoint directory."""
-
-    def __init__(self, task: Task, backend: str, timeout_s: float, distributed: bool, max_requeues: int):
-        self.task, self.backend, self.timeout_s = task, backend, timeout_s
-        self.distributed, self.max_requeues = distributed, max_requeues
-        # Names this submission's rendezvous file: job ids repeat (a reset cluster, a reused run
-        # dir), and a peer must never read an earlier job's port.
-        self.nonce = uuid.uuid4().hex[:12]
-
-    def __call__(self) -> Any:
-        # After a requeue the ranks other than 0 left the result pickle of their failed first
-        # attempt (their peer vanished); job.results() would report it instead of this run's.
-        submitit.JobEnvironment().paths.result_pickle.unlink(missing_ok=True)
-        self._export_env()
-        setup_torch(store=self._rendezvous() if self.distributed else None)
-        result = run_task(self.task)
-        teardown_torch()
-        # Seen once in ~30 stage jobs: the job completed ("Exiting after successful completion"),
-        # then interpreter teardown aborted in a torch C++ destructor ("terminate called without
-        # an active exception") and Slurm marked the finished job FAILED. Once the stage has
-        # succeeded (submitit pickles the result before exiting), leave without that teardown.
-        atexit.register(_exit_after_success)
-        return result if os.environ["RANK"] == "0" else None
-
-    def _export_env(self) -> None:
-        """The variables every launcher's workers read (see pipelines.launchers.worker)."""
-        # overwrite: a stage job submitted from inside the pipeline's own batch job inherits its
-        # variables; CUDA_VISIBLE_DEVICES stays whole because the worker selects LOCAL_RANK's device.
-        dist_env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False,
-                                                                         overwrite=True)
-        os.environ.update({
-            "GROUP_RANK": os.environ.get("SLURM_NODEID", "0"),
-            BACKEND_ENV: self.backend,
-            TIMEOUT_ENV: str(self.timeout_s),
-            DISTRIBUTED_ENV: "1" if self.distributed else "0",
-            DEVICE_ENV: str(dist_env.local_rank),
-        })
-        # Intra-op threads default to every core of the node; the job was given cpus_per_task.
-        # torch is imported by now (unpickling the task), and OpenMP read its environment then:
-        # the variable alone would not take effect, so set torch's pool too (as Ray's workers do).
-        os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK", "1"))
-        import torch
-
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
-    def _rendezvous(self) -> Any:
-        """The job's TCPStore, on a port the OS chose on the first node.
-
-        submitit derives MASTER_PORT from the job id, a fixed pick in 20000-60000 that falls in
-        Linux's ephemeral range and collides with whatever socket holds it (CI saw EADDRINUSE).
-        Rank 0 binds port 0 instead and publishes the port in the job's folder, which every
-        task can read: the same shared filesystem the job's logs and results go through.
-        """
-        import datetime
-
-        import torch.distributed as dist
-
-        env = submitit.JobEnvironment()
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        restart = os.environ.get("SLURM_RESTART_COUNT", "0")  # a requeued attempt gets a new store
-        port_file = Path(env.paths.folder) / f"{env.job_id}.{self.nonce}.restart{restart}.port"
-        host, world_size = os.environ["MASTER_ADDR"], int(os.environ["WORLD_SIZE"])
-        if env.global_rank == 0:
-            store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout,
-                                  wait_for_workers=False)
-            write_atomic(port_file, str(store.port))
-        else:
-            deadline = time.monotonic() + self.timeout_s
-            while not port_file.exists():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank 0 of job {env.job_id} published no rendezvous port "
-                                       f"in {self.timeout_s:g} s ({port_file})")
-                time.sleep(0.05)
-            store = dist.TCPStore(host, int(port_file.read_text()), world_size, is_master=False,
-                                  timeout=timeout)
-        os.environ["MASTER_PORT"] = str(store.port)
-        return store
-
-    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission | None:
-        """Resubmit the same call, unless the job was requeued `max_requeues` times already
-        (submitit alone limits time-outs, not preemptions)."""
-        if int(os.environ.get("SLURM_RESTART_COUNT", "0")) >= self.max_requeues:
-            return None
-        return super().checkpoint(*args, **kwargs)
+@dataclass
+class JobInfo:
+    state: str
+    reason: str
+    nodes: list[str]
+    restarts: int
 
 
-def _exit_after_success() -> None:
-    import logging
+def job_info(job_id: str) -> JobInfo:
+    """The job's state from the controller (`scontrol show job`), else from accounting (`sacct`)."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
+    fields = dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
+    if out.returncode == 0 and "JobState" in fields:
+        nodes = fields.get("NodeList", "(null)")
+        return JobInfo(fields["JobState"], fields.get("Reason", "None"), hostnames(nodes),
+                       int(fields.get("Restarts", "0")))
+    acct = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "State"], capture_output=True, text=True)
+    state = (acct.stdout.split() or ["UNKNOWN"])[0]
+    return JobInfo(state.split()[0], "None", [], 0)
 
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
-
-def job_parameters(cfg: LauncherConfig, world: WorldSpec, stage: str) -> dict[str, Any]:
-    """AutoExecutor parameters of one stage's job; unset options are left to the cluster."""
-    params: dict[str, Any] = {
-        "name": f"scalestudy-{stage}",
-        "nodes": world.nodes,
-        "tasks_per_node": world.procs_per_node,
-        "cpus_per_task": cfg.cpus_per_task,
-        "timeout_min": cfg.timeout_min,
-        # The signal must come inside the time limit, or a short job is "timed out" at once.
-        "slurm_signal_delay_s": min(SIGNAL_DELAY_S, cfg.timeout_min * 60 // 2),
-        # Job modules (pipelines, stages, the tests' workers) import from the project root.
-        "slurm_setup": [f"export PYTHONPATH={ROOT}${{PYTHONPATH:+:$PYTHONPATH}}", *cfg.setup],
-        "slurm_additional_parameters": dict(cfg.additional_parameters),
-        # A task that fails takes its peers down at once (launcher=local kills them after
-        # grace_s) instead of leaving them blocked in a collective until the time limit.
-        "slurm_srun_args": ["--kill-on-bad-exit=1"],
-    }
-    if cfg.gpus_per_node is not None:
-        params["gpus_per_node"] = cfg.gpus_per_node
-    if cfg.mem_gb is not None:
-        params["mem_gb"] = cfg.mem_gb
-    for key in ("partition", "account", "qos", "constraint"):
-        if getattr(cfg, key) is not None:
-            params[f"slurm_{key}"] = getattr(cfg, key)
-    return params
+def hostnames(nodelist: str) -> list[str]:
+    """`node[1-2]` -> [node1, node2] (Slurm's own expansion)."""
+    if not nodelist or nodelist == "(null)":
+        return []
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
+    return out.stdout.split()
 
 
 def check_partition(partition: str) -> None:
@@ -195,95 +114,312 @@ def check_partition(partition: str) -> None:
         raise ConfigError("launcher.partition", partition, f"no such partition; this cluster has: {', '.join(partitions)}")
 
 
+def sbatch_options(cfg: LauncherConfig, world: WorldSpec, name: str, output: Path) -> list[str]:
+    """The #SBATCH lines of an invocation's allocation: `world` with the launcher's resources,
+    requeueable, with USR2 to the batch script before the time limit."""
+    options = [
+        f"--job-name={name}",
+        f"--nodes={world.nodes}",
+        f"--ntasks-per-node={world.procs_per_node}",
+        f"--cpus-per-task={cfg.cpus_per_task}",
+        f"--time={cfg.timeout_min}",
+        "--requeue",
+        "--open-mode=append",
+        # B: the batch script alone gets it, and requeues the allocation; the signal must come
+        # inside the time limit, or a short allocation is "timed out" at once.
+        f"--signal=B:USR2@{min(SIGNAL_DELAY_S, cfg.timeout_min * 60 // 2)}",
+        f"--output={output}",
+    ]
+    if cfg.gpus_per_node is not None:
+        options.append(f"--gpus-per-node={cfg.gpus_per_node}")
+    if cfg.mem_gb is not None:
+        options.append(f"--mem={cfg.mem_gb:g}G")
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(cfg, key) is not None:
+            options.append(f"--{key}={getattr(cfg, key)}")
+    for key, value in cfg.additional_parameters.items():
+        options.append(f"--{key.replace('_', '-')}" + (f"={value}" if value not in ("", None, True) else ""))
+    return [f"#SBATCH {option}" for option in options]
+
+
+def requeue_trap(max_requeues: int) -> list[str]:
+    return [
+        "# Preempted, or at the time limit: back in the queue (at most launcher.max_requeues times); the",
+        "# driver re-runs the stage that was running, which resumes from its checkpoint.",
+        f"trap 'if [ \"${{SLURM_RESTART_COUNT:-0}}\" -lt {max_requeues} ]; then scontrol requeue \"$SLURM_JOB_ID\"; fi;"
+        " exit 0' USR2",
+    ]
+
+
+def allocation_script(cfg: LauncherConfig, world: WorldSpec, folder: Path) -> str:
+    """The batch script that holds an invocation's allocation while its driver runs stages in it."""
+    release, heartbeat = folder / "release", folder / "heartbeat"
+    lines = [
+        "#!/bin/bash",
+        *sbatch_options(cfg, world, "scalestudy", folder / "allocation-%j.out"),
+        *requeue_trap(cfg.max_requeues),
+        'echo "allocation $SLURM_JOB_ID on $SLURM_JOB_NODELIST, attempt ${SLURM_RESTART_COUNT:-0}"',
+        f"# Held until the driver releases it, or stops touching its heartbeat for {HEARTBEAT_STALE_S} s (it died).",
+        f"while [ ! -e {shlex.quote(str(release))} ] && "
+        f"[ $(( $(date +%s) - $(stat -c %Y {shlex.quote(str(heartbeat))} 2>/dev/null || date +%s) )) "
+        f"-lt {HEARTBEAT_STALE_S} ]; do sleep 1 & wait $!; done",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Allocation:
+    job_id: str
+    world: WorldSpec
+    folder: Path
+    nodes: list[str]
+    restarts: int = 0
+    owned: bool = True
+    """False for the allocation a submit_only driver runs inside: it is not ours to release."""
+
+    def fits(self, world: WorldSpec) -> bool:
+        """A stage of one rank runs on the first node of any allocation; a larger world needs its
+        node count and at most the tasks per node the allocation has."""
+        if not world.distributed or world.size == 1:
+            return True
+        return world.nodes == self.world.nodes and world.procs_per_node <= self.world.procs_per_node
+
+
 class SlurmLauncher:
-    """Submits each stage as a Slurm job and waits for it, printing its progress."""
+    """Runs each stage as a job step of the invocation's one allocation, asked for on first use."""
 
-    def __init__(self, cfg: LauncherConfig, run_dir: Path):
-        self.cfg, self.run_dir = cfg, Path(run_dir)
+    def __init__(self, cfg: LauncherConfig, run_dir: Path, invocation: WorldSpec | None = None):
+        self.cfg, self.run_dir = cfg, Path(run_dir).resolve()
+        self.invocation = invocation
+        """The invocation's world, the allocation's size (one-device stages run on its first node)."""
+        self.allocation: Allocation | None = None
         self.job_ids: dict[str, list[str]] = {}
-        """Every Slurm job id this launcher submitted, by stage (for the summary)."""
+        """The allocation(s) each stage ran in, by stage (for the summary)."""
+        self.allocations: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        inside = os.environ.get(ALLOCATION_ENV)
+        if inside:
+            info = job_info(inside)
+            world = invocation or WorldSpec(len(info.nodes), 1)
+            self.allocation = Allocation(inside, world, self.run_dir / "slurm", info.nodes, info.restarts, owned=False)
+            self._record(self.allocation)
 
-    def executor(self, stage: str, world: WorldSpec) -> submitit.AutoExecutor:
-        """The submitit executor of one stage's job; logs go to <run_dir>/slurm/<stage>."""
-        # The cluster is named: with srun on the PATH a bare AutoExecutor would also pick Slurm,
-        # but never silently fall back to running locally.
-        executor = submitit.AutoExecutor(folder=self.run_dir / "slurm" / stage, cluster="slurm",
-                                         slurm_max_num_timeout=self.cfg.max_requeues)
-        executor.update_parameters(**job_parameters(self.cfg, world, stage))
-        return executor
+    # ---- the allocation -----------------------------------------------------------------------
 
-    def run(self, task: Task, world: WorldSpec) -> Any:
-        call = SlurmTask(task, self.cfg.backend, self.cfg.timeout_s, world.distributed, self.cfg.max_requeues)
+    def _ensure(self, world: WorldSpec) -> Allocation:
+        alloc = self.allocation
+        if alloc is not None and alloc.fits(world):
+            info = job_info(alloc.job_id)
+            if info.state in LIVE_STATES:
+                if info.state != "RUNNING" or info.restarts != alloc.restarts:
+                    self._wait_running(alloc, "requeued")
+                return alloc
+            print(f"slurm: allocation {alloc.job_id} ended {info.state}; asking for another", flush=True)
+        if alloc is not None and not alloc.owned:
+            raise StageFailed(f"the allocation {alloc.job_id} this pipeline job runs in cannot run a {world.size}-rank "
+                              f"stage ({alloc.world.nodes} nodes x {alloc.world.procs_per_node} tasks)")
+        self.release()
+        shape = world if world.distributed and world.size > 1 else (self.invocation or WorldSpec(1, 1))
+        self.allocation = self._submit(dataclasses.replace(shape, distributed=True))
+        return self.allocation
+
+    def _submit(self, world: WorldSpec) -> Allocation:
+        folder = self.run_dir / "slurm" / f"allocation-{uuid.uuid4().hex[:8]}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "heartbeat").touch()
+        script = folder / "allocation.sbatch"
+        script.write_text(allocation_script(self.cfg, world, folder))
+        done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise StageFailed(f"sbatch rejected the allocation: {done.stderr.strip() or done.stdout.strip()}")
+        alloc = Allocation(done.stdout.strip().split(";")[0], world, folder, [])
+        self._start_heartbeat(folder / "heartbeat")
         try:
-            job = self.executor(task.stage, world).submit(call)
-        except (submitit.core.utils.FailedJobError, subprocess.CalledProcessError) as err:
-            raise StageFailed(f"{task.stage}: sbatch rejected the job: {_sbatch_error(err)}") from err
-        self.job_ids.setdefault(task.stage, []).append(job.job_id)
-        try:
-            state = self._wait(job, task.stage)
+            self._wait_running(alloc, "SUBMITTED")
         except BaseException:
-            # Ctrl-C (or any error here) must not leave the job running on the cluster.
-            job.cancel(check=False)
+            subprocess.run(["scancel", alloc.job_id], capture_output=True)
             raise
-        if state != "COMPLETED":
-            raise StageFailed(f"{task.stage}: Slurm job {job.job_id} ended {state}; {_failure_tail(job)}")
-        try:
-            return job.results()[0]
-        except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
-            raise StageFailed(f"{task.stage}: Slurm job {job.job_id} failed; {_failure_tail(job)}") from err
+        self._record(alloc)
+        return alloc
 
-    def _wait(self, job: submitit.Job, stage: str) -> str:
-        """Poll the job until it ends; return its final state (COMPLETED, FAILED, ...)."""
-        start, shown = time.monotonic(), ""
+    def _wait_running(self, alloc: Allocation, shown: str) -> None:
+        """Wait until the allocation runs, printing each state it passes through."""
+        start = time.monotonic()
+        print(f"slurm: allocation {alloc.job_id} {shown} ({alloc.world.nodes} nodes x {alloc.world.procs_per_node} "
+              "tasks)", flush=True)
         while True:
-            # One forced sacct per poll: submitit's own cache refreshes only every few minutes.
-            job.watcher.update()
-            state = job.watcher.get_state(job.job_id, mode="cache").split(" ")[0]
-            # sacct knows a job only once the controller has recorded it.
-            state = "SUBMITTED" if state == "UNKNOWN" else state
+            info = job_info(alloc.job_id)
             elapsed = time.monotonic() - start
-            if state != shown:  # a line per state; the live progress line shows the rest
-                print(f"slurm: {stage} job {job.job_id} {state} {elapsed:.0f}s", flush=True)
-                shown = state
-            if job.watcher.is_done(job.job_id, mode="cache"):
-                return state
-            if state == "PENDING" and elapsed >= PENDING_CHECK_S:
-                _fail_if_hopeless(job.job_id, stage)
+            if info.state != shown:
+                print(f"slurm: allocation {alloc.job_id} {info.state} {elapsed:.0f}s", flush=True)
+                shown = info.state
+            if info.state == "RUNNING" and info.nodes:
+                alloc.nodes, alloc.restarts = info.nodes, info.restarts
+                return
+            if info.state not in LIVE_STATES:
+                raise StageFailed(f"Slurm allocation {alloc.job_id} ended {info.state} before it ran "
+                                  f"(log: {alloc.folder}/allocation-{alloc.job_id}.out)")
+            if info.state == "PENDING" and elapsed >= PENDING_CHECK_S and info.reason.startswith(HOPELESS_REASONS):
+                subprocess.run(["scancel", alloc.job_id], capture_output=True)
+                raise StageFailed(f"Slurm allocation {alloc.job_id} can never start (Reason={info.reason}): the cluster "
+                                  "cannot satisfy this request; check nodes, procs_per_node and the launcher.* resources")
             time.sleep(self.cfg.poll_s)
 
+    def _start_heartbeat(self, path: Path) -> None:
+        self._stop.clear()
+
+        def beat() -> None:
+            while not self._stop.wait(HEARTBEAT_S):
+                try:
+                    path.touch()
+                except OSError:
+                    pass
+
+        self._beat = threading.Thread(target=beat, name="slurm-heartbeat", daemon=True)
+        self._beat.start()
+
+    def _record(self, alloc: Allocation) -> None:
+        self.allocations.append({"job_id": alloc.job_id, "nodes": list(alloc.nodes), "world": [alloc.world.nodes,
+                                 alloc.world.procs_per_node], "log": str(alloc.folder)})
+
+    def release(self) -> None:
+        """Let the allocation go (its batch script ends on the release file) and stop beating."""
+        alloc, self.allocation = self.allocation, None
+        self._stop.set()
+        if alloc is None or not alloc.owned:
+            return
+        (alloc.folder / "release").touch()
+        # Its steps are done; whatever still runs there (a step left by Ctrl-C) goes with it.
+        subprocess.run(["scancel", alloc.job_id], capture_output=True)
+
+    # ---- the stages ---------------------------------------------------------------------------
+
     def placement(self, world: WorldSpec) -> Placement:
-        """Read on the workers themselves: a probe task on `world`."""
+        """Read on the allocation's nodes themselves: a probe step (a fraction of a second)."""
         found = probe_placement(self, "slurm", self.cfg.backend, world, self.run_dir / "logs" / "placement")
         return dataclasses.replace(found, backend=resolved_backend(self.cfg.backend, found.nodes[0]))
 
+    def run(self, task: Task, world: WorldSpec) -> Any:
+        alloc = self._ensure(world)
+        self.job_ids.setdefault(task.stage, [])
+        if alloc.job_id not in self.job_ids[task.stage]:
+            self.job_ids[task.stage].append(alloc.job_id)
+        for _ in range(self.cfg.max_requeues + 1):
+            code, stderr = self._step(alloc, task, world)
+            if code == 0:
+                return read_result(task)
+            info = job_info(alloc.job_id)
+            if info.state in LIVE_STATES and (info.state != "RUNNING" or info.restarts != alloc.restarts):
+                # Preempted or at its time limit: the allocation requeued itself. Run the stage again
+                # once it is back (the train stage resumes from its checkpoint).
+                print(f"slurm: {task.stage}: allocation {alloc.job_id} was requeued; the stage runs again", flush=True)
+                self._wait_running(alloc, "requeued")
+                continue
+            ranks = world.size if world.distributed else 1
+            raise StageFailed(f"{task.stage}: " + step_failure(Path(task.workdir), ranks, stderr, alloc.job_id))
+        raise StageFailed(f"{task.stage}: the allocation {alloc.job_id} was requeued {self.cfg.max_requeues} times "
+                          "(launcher.max_requeues)")
+
+    def _step(self, alloc: Allocation, task: Task, world: WorldSpec) -> tuple[int, str]:
+        """One job step on `world`'s tasks of the allocation; its exit code and srun's stderr."""
+        workdir = Path(task.workdir)
+        task_file = write_task(task)
+        procs = world.procs_per_node if world.distributed else 1
+        nodes = world.nodes if world.distributed else 1
+        cmd = ["srun", f"--jobid={alloc.job_id}", f"--nodes={nodes}", f"--ntasks={nodes * procs}",
+               f"--ntasks-per-node={procs}", f"--cpus-per-task={self.cfg.cpus_per_task}", "--kill-on-bad-exit=1",
+               "--overlap", f"--output={workdir}/rank%t.log", f"--job-name=scalestudy-{task.stage}"]
+        if nodes < len(alloc.nodes):
+            cmd.append(f"--nodelist={','.join(alloc.nodes[:nodes])}")  # one-rank stages: the first node, every time
+        # The worker selects its own GPU among the node's (LOCAL_RANK), as under every launcher.
+        run_worker = f"exec {shlex.quote(sys.executable)} -m pipelines.launchers.worker {shlex.quote(str(task_file))}"
+        worker = "; ".join([*self.cfg.setup, run_worker])
+        cmd += ["bash", "-c", worker]
+        env = self._step_env(workdir, world, procs)
+        err_path = workdir / "srun.err"
+        start = time.monotonic()
+        print(f"slurm: {task.stage} step of allocation {alloc.job_id} on {', '.join(alloc.nodes[:nodes])}", flush=True)
+        with open(err_path, "w") as err:
+            proc = subprocess.Popen(cmd, env=env, stdout=err, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+            try:
+                code = proc.wait()
+            except BaseException:
+                _stop_step(proc)
+                raise
+        print(f"slurm: {task.stage} step {'done' if code == 0 else f'ended with code {code}'} "
+              f"{time.monotonic() - start:.0f}s", flush=True)
+        return code, err_path.read_text(errors="replace")
+
+    def _step_env(self, workdir: Path, world: WorldSpec, procs: int) -> dict[str, str]:
+        env = dict(os.environ)
+        for key in [k for k in env if k.startswith(("SLURM_STEP", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_CPUS_PER_TASK"))]:
+            env.pop(key)  # a submit_only driver runs inside a job: its own step's sizes are not this step's
+        env.update({
+            "PYTHONPATH": worker_pythonpath(),
+            "PYTHONUNBUFFERED": "1",
+            # Set before the worker imports torch, so that OpenMP takes it: the task's own cores.
+            "OMP_NUM_THREADS": str(self.cfg.cpus_per_task),
+            SLURM_STEP_ENV: "1",
+            LOCAL_WORLD_ENV: str(procs),
+            RENDEZVOUS_ENV: str(workdir / f"rendezvous-{uuid.uuid4().hex[:8]}"),
+            BACKEND_ENV: self.cfg.backend,
+            TIMEOUT_ENV: str(self.cfg.timeout_s),
+            DISTRIBUTED_ENV: "1" if world.distributed else "0",
+        })
+        return env
+
+    def record(self) -> dict[str, Any]:
+        """For summary.json: the allocation(s) and their nodes, and which stages ran in each."""
+        return {"allocations": self.allocations, "jobs": self.job_ids}
+
     def close(self) -> None:
-        pass
+        self.release()
 
 
-def _fail_if_hopeless(job_id: str, stage: str) -> None:
-    """Raise StageFailed when the job waits for a reason that waiting cannot resolve."""
-    reason = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%r"], capture_output=True, text=True).stdout.strip()
-    if reason.startswith(HOPELESS_REASONS):
-        raise StageFailed(f"{stage}: Slurm job {job_id} can never start (Reason={reason}): the cluster cannot "
-                          "satisfy this request; check nodes, procs_per_node and the launcher.* resources")
+SIGNAL_WORDS = {"Killed": "SIGKILL", "Terminated": "SIGTERM", "Aborted": "SIGABRT", "Segmentation fault": "SIGSEGV",
+                "Bus error": "SIGBUS", "Interrupt": "SIGINT"}
 
 
-def _sbatch_error(err: Exception) -> str:
-    """sbatch's own message, without submitit's wrapping."""
-    text = str(err)
-    lines = [line.strip() for line in text.splitlines() if "error" in line.lower() and "sbatch" in line.lower()]
-    return "; ".join(lines) or text.strip()
+def ended_tasks(stderr: str) -> dict[int, str]:
+    """The tasks srun reports as ended badly, in the order it reports them, with how (in the words
+    launcher=local uses): `srun: error: node2: task 1: Killed` -> {1: "was killed by SIGKILL"}."""
+    ended: dict[int, str] = {}
+    for _, tasks, what in TASK_DIED.findall(stderr):
+        code = re.match(r"Exited with exit code (\d+)", what)
+        signal_name = next((name for word, name in SIGNAL_WORDS.items() if what.startswith(word)), None)
+        how = (f"exited with code {code.group(1)}" if code else f"was killed by {signal_name}" if signal_name
+               else f"ended: {what.strip()}")
+        for part in tasks.split(","):
+            low, _, high = part.partition("-")
+            for task in range(int(low), int(high or low) + 1):
+                ended.setdefault(task, how)
+    return ended
 
 
-def _failure_tail(job: submitit.Job) -> str:
-    """The tail of the stderr of the task that caused the failure: the first one with a
-    traceback that is not just the echo of a peer's death, else the first with any traceback."""
-    logs = []
-    for index in range(job.num_tasks):
-        path = job.task(index).paths.stderr
-        logs.append((index, path, path.read_text(errors="replace") if path.exists() else ""))
-    with_tb = [log for log in logs if "Traceback" in log[2]]
-    root = [log for log in with_tb if not any(echo in log[2] for echo in PEER_ECHOES)]
-    index, path, text = (root or with_tb or logs)[0]
-    tail = "\n".join(text.rstrip().splitlines()[-TAIL_LINES:])
-    return f"task {index} stderr ({path}):\n{tail}"
+def step_failure(workdir: Path, ranks: int, stderr: str, job_id: str) -> str:
+    """The root cause of a failed step (as launcher=local names it), and the ranks srun then killed
+    (--kill-on-bad-exit: a rank that still waited in a collective, say)."""
+    ended = ended_tasks(stderr)
+    # srun reports tasks in the order they ended: the first ended on its own, the rest it may have
+    # killed because of it (--kill-on-bad-exit).
+    first = next(iter(ended), None)
+    message = describe_failure(workdir, ranks, {first: ended[first]} if first is not None else {},
+                               note=f"Slurm allocation {job_id}, srun log {workdir}/srun.err")
+    reported = {r for r in range(ranks) if (workdir / ERROR_FILE.format(rank=r)).exists()}
+    killed = [r for r, how in ended.items() if r != first and r not in reported and "killed" in how]
+    return message + (f"; still running and killed: ranks {killed}" if killed else "")
+
+
+def _stop_step(proc: subprocess.Popen) -> None:
+    """Ctrl-C: srun cancels its step on two SIGINTs within a second; then make sure."""
+    for _ in range(2):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.2)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

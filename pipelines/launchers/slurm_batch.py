@@ -1,13 +1,14 @@
-"""`launcher=slurm launcher.submit_only=true`: run the whole pipeline as one Slurm batch job.
+"""`launcher=slurm launcher.submit_only=true`: the invocation's one allocation, with the driver in it.
 
-For users on a login node who walk away: the invocation writes an sbatch script that re-runs
-`run.py` with the same overrides (and `launcher.submit_only=false`) in this invocation's run dir,
-submits it, prints the job id and where the summary and MLflow data will be, and returns.
-
-Deadlock: the pipeline job stays alive while its stages run as further Slurm jobs. It therefore
-asks for the least a job can hold, one task with one CPU and no GPU, so that on a partition that
-shares nodes (cons_tres, the default) the stage jobs still find the rest of every node. On a
-partition that allocates whole nodes, the pipeline job would hold a node its stages need.
+For users on a login node who walk away: the invocation writes an sbatch script that asks for the
+allocation its stages need (`nodes` x `procs_per_node` tasks with the launcher's resources, as an
+interactive invocation would) and runs `run.py` with the same overrides (and
+`launcher.submit_only=false`) as its batch script, in this invocation's run dir; then it submits
+it, prints the job id and where the summary and MLflow data will be, and returns. The driver finds
+its allocation in SCALESTUDY_SLURM_ALLOCATION and runs every stage as a job step of it: one job in
+the queue, no driver job holding a CPU while others wait. Preempted or at its time limit, the job
+requeues itself and the driver starts again: cached stages are skipped, train resumes from its
+checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pipelines.launchers.base import WorldSpec, worker_pythonpath
+from pipelines.launchers.slurm import ALLOCATION_ENV, requeue_trap, sbatch_options
 from pipelines.redact import redact_text
 from pipelines.schema import Config
 from training.config import ConfigError
@@ -33,30 +36,20 @@ def pipeline_overrides(overrides: list[str]) -> list[str]:
 
 
 def batch_script(cfg: Config, run_dir: Path, overrides: list[str], cwd: Path, python: str) -> str:
-    """The sbatch script of the pipeline job."""
-    launcher = cfg.launcher
-    # Every stage job may use its full time limit, one after the other.
-    minutes = launcher.timeout_min * max(1, len(cfg.pipeline.stages))
-    options = [
-        "--job-name=scalestudy-pipeline",
-        f"--output={run_dir}/pipeline-%j.out",
-        "--nodes=1",
-        "--ntasks=1",
-        "--cpus-per-task=1",
-        f"--time={minutes}",
-    ]
-    for key in ("partition", "account", "qos"):
-        if getattr(launcher, key) is not None:
-            options.append(f"--{key}={getattr(launcher, key)}")
+    """The sbatch script of the pipeline's allocation, its driver as the batch script."""
+    world = WorldSpec(cfg.nodes, cfg.procs_per_node)
     command = [python, str(ROOT / "run.py"), *pipeline_overrides(overrides), f"hydra.run.dir={run_dir}"]
     lines = [
         "#!/bin/bash",
-        *(f"#SBATCH {option}" for option in options),
-        "set -e",
+        *sbatch_options(cfg.launcher, world, "scalestudy-pipeline", run_dir / "pipeline-%j.out"),
+        *requeue_trap(cfg.launcher.max_requeues),
         f"cd {shlex.quote(str(cwd))}",
-        *launcher.setup,
-        f"export PYTHONPATH={ROOT}${{PYTHONPATH:+:$PYTHONPATH}}",
-        "exec " + " ".join(shlex.quote(part) for part in command),
+        *cfg.launcher.setup,
+        f"export PYTHONPATH={shlex.quote(worker_pythonpath())}",
+        f'export {ALLOCATION_ENV}="$SLURM_JOB_ID"',
+        "# In the background, so that the trap runs the moment USR2 comes.",
+        " ".join(shlex.quote(part) for part in command) + " &",
+        "wait $!",
     ]
     return "\n".join(lines) + "\n"
 

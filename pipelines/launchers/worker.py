@@ -31,6 +31,11 @@ TIMEOUT_ENV = "SCALESTUDY_TIMEOUT_S"
 DISTRIBUTED_ENV = "SCALESTUDY_DISTRIBUTED"
 DEVICE_ENV = "SCALESTUDY_DEVICE_INDEX"
 PARENT_DEATH_ENV = "SCALESTUDY_DIE_WITH_PARENT"
+SLURM_STEP_ENV = "SCALESTUDY_SLURM_STEP"
+"""Set on a Slurm job step's tasks: take the place in the world from Slurm's variables."""
+LOCAL_WORLD_ENV = "SCALESTUDY_LOCAL_WORLD_SIZE"
+RENDEZVOUS_ENV = "SCALESTUDY_RENDEZVOUS"
+"""A file path: rank 0 of a Slurm step publishes its store's `host:port` there, the others read it."""
 PR_SET_PDEATHSIG = 1
 
 
@@ -74,6 +79,44 @@ def setup_torch(store: Any = None) -> None:
                                 world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
+def slurm_step_env() -> None:
+    """The torchrun-style variables, from Slurm's for this task of the step."""
+    os.environ.update(
+        RANK=os.environ["SLURM_PROCID"],
+        WORLD_SIZE=os.environ["SLURM_NTASKS"],
+        LOCAL_RANK=os.environ["SLURM_LOCALID"],
+        LOCAL_WORLD_SIZE=os.environ.get(LOCAL_WORLD_ENV, "1"),
+        GROUP_RANK=os.environ.get("SLURM_NODEID", "0"),
+        **{DEVICE_ENV: os.environ["SLURM_LOCALID"]},
+    )
+
+
+def slurm_rendezvous() -> Any:
+    """The step's TCPStore, on a port the OS chose on rank 0's node: rank 0 publishes `host:port`
+    in a file every task can read (the shared filesystem the step's logs go through). A fixed port
+    collides with whatever else holds it; a file names exactly this step's store."""
+    import datetime
+
+    import torch.distributed as dist
+
+    path = Path(os.environ[RENDEZVOUS_ENV])
+    timeout_s = float(os.environ.get(TIMEOUT_ENV, "180"))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    world = int(os.environ["WORLD_SIZE"])
+    if os.environ["RANK"] == "0":
+        host = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+        store = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        write_atomic(path, f"{host}:{store.port}")
+        return store
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 published no rendezvous in {timeout_s:g} s ({path})")
+        time.sleep(0.05)
+    host, _, port = path.read_text().rpartition(":")
+    return dist.TCPStore(host, int(port), world, is_master=False, timeout=timeout)
+
+
 def teardown_torch() -> None:
     import torch.distributed as dist
 
@@ -97,12 +140,15 @@ def run_task(task: Task) -> Any:
 
 def main(task_file: str) -> int:
     task_path = Path(task_file)
+    if os.environ.get(SLURM_STEP_ENV) == "1":
+        slurm_step_env()
     rank = int(os.environ.get("RANK", "0"))
     if os.environ.get(PARENT_DEATH_ENV) == "1" and sys.platform == "linux":
         die_with_parent()
     try:
         task: Task = pickle.loads(task_path.read_bytes())
-        setup_torch()
+        slurm_distributed = os.environ.get(SLURM_STEP_ENV) == "1" and os.environ.get(DISTRIBUTED_ENV, "1") == "1"
+        setup_torch(slurm_rendezvous() if slurm_distributed else None)
         result = run_task(task)
         if rank == 0:
             write_atomic(task_path.parent / RESULT_FILE, pickle.dumps(result))

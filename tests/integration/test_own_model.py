@@ -141,3 +141,25 @@ def test_a_bad_declaration_is_one_line_before_any_rank_starts(project, tmp_path,
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert not (tmp_path / "cache").exists() and not run_dir.exists(), "nothing written"
+
+
+@pytest.mark.parametrize("launcher", ["ray", "slurm"])
+def test_the_users_model_through_ray_and_slurm(project, tmp_path, launcher):
+    """zero3 at world 2 on the cluster launchers: every stage runs on the user's model there, with
+    the same losses as launcher=local."""
+    from tests.integration.test_slurm import CLUSTER_UP, PROBLEM
+
+    if launcher == "slurm" and PROBLEM is not None:
+        pytest.skip(f"SLURM TESTS SKIPPED: {PROBLEM}; run `{CLUSTER_UP}`")
+    common = ["--config-dir", "conf", "model=my_vit", "data=my_images", "strategy=zero3", "nodes=2", "tracking=none",
+              "train.global_batch=8", "lr_find.batch=4", "train.steps=10", "bandwidth.max_bytes=65536",
+              f"cache_dir={tmp_path / 'cache'}"]
+    ray_env = f"HOME={tmp_path / 'home'} RAY_TMPDIR=$(mktemp -d /tmp/ss-om-XXXX)"
+    there = shell(project, " ".join([ray_env, sys.executable, str(ROOT / "run.py"), *common, f"launcher={launcher}"]))
+    assert there.returncode == 0, there.stdout[-3000:] + there.stderr[-3000:]
+    summary = summary_of(there)
+    assert {n: s["status"] for n, s in summary["stages"].items()} == dict.fromkeys(STAGES, "ran")
+    assert summary["placement"]["launcher"] == launcher
+    local = summary_of(run_py(project, *common, "launcher=local"))
+    assert summary["stages"]["train"]["result"]["losses"] == pytest.approx(
+        local["stages"]["train"]["result"]["losses"], rel=1e-4, abs=1e-5)

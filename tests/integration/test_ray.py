@@ -83,6 +83,21 @@ class TestLocalInstance:
         assert len(resumed.losses) == STEPS and len(resumed.lrs) == STEPS
         assert resumed.losses == pytest.approx(clean.losses, **TOL)
 
+    def test_one_worker_group_runs_every_stage_in_the_same_processes(self, launcher, tmp_path):
+        """env, a one-device stage and env again: the same worker processes every time (rank 0 takes
+        the one-device stage, without a process group), the group started once."""
+        groups = len(launcher.groups)
+        env = EnvInputs(EnvConfig())
+        first = launch(launcher, "stages.env_check:run", env, WorldSpec(2, 1), tmp_path / "a")
+        alone = launcher.run(Task(stage="one", fn="stages.env_check:run", inputs=env, workdir=tmp_path / "b"),
+                             WorldSpec(1, 1, distributed=False))
+        again = launch(launcher, "stages.env_check:run", env, WorldSpec(2, 1), tmp_path / "c")
+        pids = [r.pid for r in first.ranks]
+        assert [r.pid for r in again.ranks] == pids and [r.pid for r in alone.ranks] == pids[:1]
+        assert alone.ranks[0].backend == "none" and first.ranks[0].backend == "gloo"
+        assert len(launcher.groups) == groups, "no new worker group"
+        assert {w["pid"] for w in launcher.record()["worker_groups"][-1]["workers"]} == set(pids)
+
     def test_more_workers_than_cpus_fail_at_once_saying_what_the_cluster_has(self, launcher, tmp_path):
         start = time.monotonic()
         with pytest.raises(StageFailed, match=r"asked for 8 Ray workers x 1 CPU, but the cluster has 1 alive node"):
@@ -118,21 +133,26 @@ class TestTwoNodeCluster:
         assert env.world_size == 2 and env.nodes == 2
         assert sorted(r.node for r in env.ranks) == [0, 1]
 
-    def test_a_raising_rank_fails_the_stage_naming_it_and_no_worker_is_left(self, launcher, tmp_path):
+    def test_a_raising_rank_fails_the_stage_naming_it_and_the_group_serves_the_next(self, launcher, tmp_path):
         with pytest.raises(StageFailed, match="rank 1 failed: ValueError: planted failure on rank 1"):
-            launch(launcher, "tests.dist.workers:raise_on_rank1", None, WorldSpec(2, 1), tmp_path)
-        pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
-        assert len(pids) == 2
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
-            time.sleep(0.5)
-        assert not any(Path(f"/proc/{pid}").exists() for pid in pids), "Ray ended the worker processes"
+            launch(launcher, "tests.dist.workers:raise_on_rank1", None, WorldSpec(2, 1), tmp_path / "a")
+        pids = sorted(int(p.read_text()) for p in (tmp_path / "a").glob("rank*.pid"))
+        assert "Traceback" in (tmp_path / "a" / "rank1.log").read_text()
+        result = launch(launcher, "tests.dist.workers:ranks_sum", None, WorldSpec(2, 1), tmp_path / "b")
+        assert result["sum"] == 3.0 and result["pid"] in pids, "the same workers run the next stage"
 
-    def test_a_hung_rank_fails_on_the_collective_timeout(self, launcher, tmp_path):
+    def test_a_hung_rank_fails_on_the_collective_timeout_and_its_process_ends(self, launcher, tmp_path):
         start = time.monotonic()
-        with pytest.raises(StageFailed, match="rank 0"):
-            launch(launcher, "tests.dist.workers:hang_rank1", None, WorldSpec(2, 1), tmp_path)
+        with pytest.raises(StageFailed, match=r"rank 0 failed.*killed: ranks \[1\]"):
+            launch(launcher, "tests.dist.workers:hang_rank1", None, WorldSpec(2, 1), tmp_path / "a")
         assert time.monotonic() - start < 15 + 45, "the 15 s collective timeout, plus a little"
+        hung = int((tmp_path / "a" / "rank1.pid").read_text())
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and Path(f"/proc/{hung}").exists():
+            time.sleep(0.5)
+        assert not Path(f"/proc/{hung}").exists(), "the hung rank's process was ended"
+        # A new group serves the next stage.
+        assert launch(launcher, "tests.dist.workers:ranks_sum", None, WorldSpec(2, 1), tmp_path / "b")["sum"] == 3.0
 
     def test_a_spread_world_larger_than_the_cluster_fails_at_once(self, launcher, tmp_path):
         start = time.monotonic()
