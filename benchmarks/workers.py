@@ -52,7 +52,7 @@ def hand_written_loop(inputs: TrainInputs) -> float:
 def train_vs_hand(inputs: TrainInputs, repeats: int = 5) -> dict:
     """Median samples/s of the train stage and of the hand-written loop, alternating."""
     ours, theirs = [], []
-    plan = SimpleNamespace(flops_per_sample=1.0, prediction=lambda strategy, world: None)
+    plan = SimpleNamespace(flops_per_sample=1.0, recommended=None, prediction_for_run=lambda strategy, world, auto: None)
     lr_find = SimpleNamespace(suggested_lr=inputs.train.lr, lr_scaling="none", finder_batch=8)
     for _ in range(repeats):
         ckpt = Path(tempfile.mkdtemp())

@@ -50,9 +50,9 @@ def measured_step(summary: dict[str, Any]) -> MeasuredStep | None:
     t, p = train.get("result"), plan.get("result")
     if train.get("status") not in ("ran", "cached") or not t or not p:
         return None
-    match = next((x for x in p.get("predictions", [])
-                  if x["strategy"] == t["strategy"] and x["devices"] == t["world_size"] and "collective_calls" in x), None)
-    if match is None:
+    chosen = p.get("recommended") if t.get("strategy_from_plan") else p.get("requested")
+    match = (chosen or {}).get("prediction")
+    if match is None or match.get("devices") != t["world_size"]:
         return None
     predicted = StepPrediction(match["compute_s"], match["exposed_comm_s"], match["bubble_s"], match["overhead_s"],
                                match["collective_calls"])

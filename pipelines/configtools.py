@@ -69,10 +69,10 @@ def _twin_type(tp: Any) -> Any:
     origin = typing.get_origin(inner)
     if origin is dict:
         key, value = typing.get_args(inner)
-        return dict[key, _twin_type(value)]
-    if origin is list:
+        inner = dict[key, _twin_type(value)]
+    elif origin is list:
         (item,) = typing.get_args(inner)
-        return list[_twin_type(item)]
+        inner = list[_twin_type(item)]
     return typing.Optional[inner] if optional else inner  # noqa: UP045
 
 

@@ -77,10 +77,13 @@ class Summary:
 
     @property
     def ok(self) -> bool:
-        return all(o.status in ("ran", "cached") or o.error == NOT_SELECTED for o in self.stages.values())
+        return all(o.status in ("ran", "cached") or o.error == NOT_SELECTED or _not_asked(o)
+                   for o in self.stages.values())
 
 
 NOT_SELECTED = "not selected by only=[...]"
+NOT_ASKED = "not asked for"
+"""The error of a stage its `when` key turned off: no failure, and no reason to skip what needs it."""
 
 
 class Runner:
@@ -107,8 +110,12 @@ class Runner:
                 if name not in selected:
                     summary.stages[name] = Outcome("skipped", error=NOT_SELECTED)
                     continue
-                blocked = [u for u in stage.upstream if summary.stages[u].status in ("failed", "skipped")]
-                if blocked:
+                blocked = [u for u in stage.upstream
+                           if summary.stages[u].status in ("failed", "skipped") and not _not_asked(summary.stages[u])]
+                off = self._switched_off(stage)
+                if off is not None:
+                    outcome = Outcome("skipped", error=off)
+                elif blocked:
                     outcome = Outcome("skipped", error=f"upstream stage {blocked[0]} {summary.stages[blocked[0]].status}")
                 else:
                     self.echo(f"[{index}/{len(self.dag.order)}] {name}: {self._where(stage)} ...")
@@ -128,6 +135,16 @@ class Runner:
             raise
         self._finish(summary)
         return summary
+
+    def _switched_off(self, stage: Stage) -> str | None:
+        """Why the stage is not asked for (its `when` key is false or 0), or None."""
+        key = stage.spec.when
+        if key is None:
+            return None
+        value = self.cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        return None if value else f"{NOT_ASKED} ({key}={value})"
 
     def _where(self, stage: Stage) -> str:
         resources = stage.spec.resources
@@ -297,6 +314,10 @@ class Runner:
         write_atomic(path, json.dumps(payload, indent=2, default=str))
         summary.path = path
         self.tracker.finish(summary.ok, [path])
+
+
+def _not_asked(outcome: Outcome) -> bool:
+    return outcome.status == "skipped" and (outcome.error or "").startswith(NOT_ASKED)
 
 
 def _copy_tree(src: Path, dst: Path) -> None:

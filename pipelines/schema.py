@@ -55,6 +55,9 @@ class StageSpec:
     history: bool = False
     """Pass the stage earlier runs' measured train steps from MLflow as `history` (plan, when
     plan.calibrate=true); they join its cache key, so a new measurement re-plans."""
+    when: str | None = None
+    """A config key (e.g. `plan.trials`): when its value is false or 0 the stage is not asked for;
+    it is skipped without running and the stages that need it receive None."""
 
     def __post_init__(self) -> None:
         if ":" not in self.fn:

@@ -1,11 +1,13 @@
-"""plan: the three rulers, measured, turned into predictions and a recommendation with reasons.
+"""plan: the three rulers, measured, turned into predictions and advice with reasons.
 
 Ruler 1, memory: the peak of one forward + backward + optimizer step on one device, against
 `plan.memory_fraction` of the device. Ruler 2, bandwidth: the busbw the probe measured, fitted
 to an α–β model per collective. Ruler 3, compute density: FLOPs per sample and per byte moved,
 and the measured compute time of a step. training/costmodel.py turns them into memory, step time,
-throughput and scaling efficiency for every strategy at 1, 2, 4 ... plan.max_devices devices; the
-recommendation is the fastest strategy that fits at the requested world.
+throughput and scaling efficiency; training/search.py searches every layout of the requested world
+and the knobs that make it fit (micro-batch, accumulation, checkpointing, precision, pipeline
+schedule, DDP buckets) for the highest predicted tokens/s, and stages/advice.py explains each
+strategy's rejection. The scaling curves predict the pure strategies at 1, 2, 4 ... plan.max_devices.
 """
 
 from __future__ import annotations
@@ -16,6 +18,15 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from stages.advice import (
+    PURE,
+    AdviceInputs,
+    advise,
+    headline_reason,
+    precision_peak,
+    rejection_reasons,
+    searched_variants,
+)
 from stages.bandwidth import BandwidthResult
 from stages.common import log, workbench
 from stages.lr_find import LrFindResult
@@ -35,6 +46,7 @@ from training.costmodel import (
 )
 from training.memory import AuditRow
 from training.parallel.dims import resolve_dims
+from training.search import Candidate, Variant, describe
 
 GIB = 1024**3
 TIMED_STEPS = 5
@@ -97,7 +109,18 @@ class PlanResult:
     """The model as measured from its module (on the meta device for a what-if plan)."""
     world_size: int
     micro_batch: int
+    recommended: Candidate | None
+    """The search's winner: the fastest predicted layout and knobs that fit (None: nothing fits)."""
+    requested: Candidate | None
+    """What this invocation asked for, predicted the same way (None for strategy=auto)."""
+    candidates: list[Candidate]
+    """The best candidates, best first (at most ten, the fitting ones first)."""
+    evaluated: int
+    """How many predictions the search made."""
+    variants: list[Variant]
+    """Each precision and checkpointing setting searched, with its compute and activations per sample."""
     predictions: list[Prediction]
+    """The pure strategies at 1, 2, 4 ... plan.max_devices devices (the scaling curves)."""
     lr: float | None
     lr_rule: str | None
     calibration: Calibration | None
@@ -119,6 +142,11 @@ class PlanResult:
         for p in self.predictions:
             out += [(f"plan/{p.strategy}/predicted_efficiency", p.scaling_efficiency, p.devices),
                     (f"plan/{p.strategy}/predicted_tokens_per_s", p.tokens_per_s, p.devices)]
+        for label, c in (("recommended", self.recommended), ("requested", self.requested)):
+            if c is not None:
+                out += [(f"plan/{label}/tokens_per_s", c.tokens_per_s, 0), (f"plan/{label}/step_time_ms", c.step_time_s * 1e3, 0),
+                        (f"plan/{label}/memory_gib", c.memory_per_device_bytes / GIB, 0)]
+        out.append(("plan/search_predictions", float(self.evaluated), 0))
         if self.calibration is not None:
             c = self.calibration
             out += [("plan/calibration_points", float(c.points), 0), ("plan/calibration_compute_scale", c.compute_scale, 0),
@@ -129,25 +157,40 @@ class PlanResult:
         return out
 
     def headline(self) -> str:
-        chosen = self.prediction(self.recommended_strategy, self.world_size)
-        if chosen is None:
+        chosen = self.recommended
+        if chosen is None or not chosen.fits:
             return f"{self.recommended_strategy}: {self.reasons[0]}"
-        return (f"{self.recommended_strategy} at {self.world_size}: predicted {chosen.tokens_per_s:.0f} tokens/s, "
-                f"efficiency {chosen.scaling_efficiency:.2f}, {chosen.memory_per_device_bytes / GIB:.3f} GiB per device")
+        dims = " x ".join(f"{k}={v}" for k, v in chosen.dims.items() if v > 1)
+        return (f"{chosen.strategy}{f' ({dims})' if chosen.strategy == 'hybrid' else ''} at {self.world_size}, "
+                f"micro-batch {chosen.micro_batch} x {chosen.grad_accum}, {chosen.precision}: predicted "
+                f"{chosen.tokens_per_s:.0f} tokens/s, efficiency {chosen.scaling_efficiency:.2f}, "
+                f"{chosen.memory_per_device_bytes / GIB:.3f} GiB per device")
 
     @property
     def memory_audit(self) -> list[AuditRow]:
         return self.rulers.memory_audit if self.rulers is not None else []
 
     def prediction(self, strategy: str, devices: int) -> Prediction | None:
+        """A pure strategy's point of the scaling curves."""
         return next((p for p in self.predictions if p.strategy == strategy and p.devices == devices), None)
 
+    def prediction_for_run(self, strategy: str, devices: int, auto: bool) -> Prediction | None:
+        """What the plan predicted for the run that trains `strategy` on `devices`: at the planned
+        world, the requested layout (or the recommendation it trained under strategy=auto);
+        elsewhere (the 1-device baseline) the scaling curve's point."""
+        if devices == self.world_size:
+            chosen = self.recommended if auto else self.requested
+            return chosen.prediction if chosen is not None else None
+        return self.prediction(strategy if strategy in PURE else "ddp", devices)
+
     def table(self) -> str:
-        """The per-strategy what-if table at the requested world size."""
-        rows = [f"{'strategy':<8} {'fits':<5} {'GiB/device':>11} {'step (s)':>10} {'tokens/s':>12} {'efficiency':>10}"]
-        for p in sorted((p for p in self.predictions if p.devices == self.world_size), key=lambda p: -p.tokens_per_s):
-            rows.append(f"{p.strategy:<8} {str(p.fits).lower():<5} {p.memory_per_device_bytes / GIB:>11.2f} "
-                        f"{p.step_time_s:>10.4f} {p.tokens_per_s:>12.0f} {p.scaling_efficiency:>10.3f}")
+        """The best candidates at the requested world size, and the requested layout."""
+        rows = [f"the best {len(self.candidates)} of {self.evaluated} predictions at {self.world_size} devices:"]
+        rows += [f"  {i}. {describe(c)}" for i, c in enumerate(self.candidates, 1)]
+        if self.requested is not None:
+            rows.append(f"  requested: {describe(self.requested)}")
+        if self.recommended is not None:
+            rows.append(f"  run it: {self.recommended.command}")
         return "\n".join(rows)
 
 
@@ -209,7 +252,7 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:
         step(probe, held)
     memory = held[0]
     compute = _timed_steps(step)
-    overheads = measure_overheads(model, cfg.model, bench.loss, batch, list(cfg.plan.strategies), dev, clip,
+    overheads = measure_overheads(model, cfg.model, bench.loss, batch, list(cfg.plan.strategies or PURE), dev, clip,
                                   step_strategy(cfg))
     device_bytes = cfg.plan.device_memory_bytes or device_memory_bytes(dev, cfg.procs_per_node)
     anatomy = dataclasses.replace(anatomy, activation_bytes_per_sample=memory.activation_bytes / micro)
@@ -234,32 +277,44 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:
     )
 
 
+def meta_sample(cfg: PlanInputs):  # noqa: ANN201 - a Batch on the meta device
+    """One sample of the data, on the meta device (what the model is measured on without memory)."""
+    import torch
+
+    from training.data import build_dataset, first_samples
+    from training.models import to_device
+
+    return to_device(first_samples(build_dataset(cfg.data), 1), torch.device("meta"))
+
+
 def whatif_anatomy(cfg: PlanInputs) -> Anatomy:
-    """The model at its real shape on the meta device (no memory, no compute): FLOPs and shape from
-    a plain pass, the activations from a pass in the run's precision and checkpointing."""
+    """The model at its real shape on the meta device (no memory, no compute): its shape, FLOPs
+    and positions from a plain pass; the run's activations come from its variant (variant_costs)."""
     import torch
 
     from training.anatomy import measure_anatomy
-    from training.data import build_dataset, first_samples
-    from training.models import build_model, model_loss, to_device
+    from training.models import build_model, model_loss
     from training.models.spec import model_spec
-    from training.parallel.ac import apply_ac
-    from training.parallel.compose import DTYPES
 
-    micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
-    batch = to_device(first_samples(build_dataset(cfg.data), micro), torch.device("meta"))
-    loss = model_loss(cfg.model)
     with torch.device("meta"):
         model = build_model(cfg.model, cfg.seed)
-    plain = measure_anatomy(model, model_spec(model, cfg.model), loss, batch)
-    dtype = DTYPES[cfg.strategy.precision]
-    if dtype is not None:
-        model = model.to(dtype)
-    spec = model_spec(model, cfg.model)
-    if cfg.strategy.activation_checkpointing == "full":
-        apply_ac(spec.blocks)
-    run_like = measure_anatomy(model, spec, loss, batch)
-    return dataclasses.replace(plain, activation_bytes_per_sample=run_like.activation_bytes_per_sample)
+    return measure_anatomy(model, model_spec(model, cfg.model), model_loss(cfg.model), meta_sample(cfg))
+
+
+def variant_costs(cfg: PlanInputs, anatomy: Anatomy, measured_activations: float | None) -> list:
+    """Each precision and checkpointing setting the search considers, measured on the meta device
+    (the fused attention a GPU runs, training/anatomy.py). On a measured cluster the run's own
+    setting takes the activations its real step saved."""
+    from training.anatomy import measure_variant
+
+    sample = meta_sample(cfg)
+    costs = [measure_variant(cfg.model, cfg.seed, sample, precision, checkpointing)
+             for precision, checkpointing in searched_variants(advice_inputs(cfg), anatomy.shape.layers)]
+    if measured_activations is not None:
+        own = (cfg.strategy.precision, cfg.strategy.activation_checkpointing)
+        costs = [dataclasses.replace(c, activation_bytes_per_sample=measured_activations)
+                 if (c.precision, c.activation_checkpointing) == own else c for c in costs]
+    return costs
 
 
 def workload(cfg: PlanInputs, anatomy: Anatomy) -> Workload:
@@ -274,6 +329,7 @@ def workload(cfg: PlanInputs, anatomy: Anatomy) -> Workload:
         activation_bytes_per_sample=anatomy.activation_bytes_per_sample,
         bucket_cap_bytes=cfg.strategy.bucket_cap_mb * 1024**2,
         clip=cfg.train.grad_clip is not None,
+        pp_schedule=cfg.strategy.pp_schedule,
     )
 
 
@@ -293,8 +349,8 @@ def preset_links(gbps: float, latency_us: float, world: int) -> dict[str, Link]:
     return {"all_reduce": Link(alpha_s=latency_us * 1e-6, busbw_gbps=gbps, world=world)}
 
 
-def hardware(cfg: PlanInputs, anatomy: Anatomy, rulers: Rulers | None, bandwidth: BandwidthResult | None,
-             micro: int) -> Hardware:
+def hardware(cfg: PlanInputs, executed_flops_per_sample: float, rulers: Rulers | None,
+             bandwidth: BandwidthResult | None, micro: int) -> Hardware:
     """Measured numbers for cluster=cpu-local (and any `measured` cluster), else the preset's."""
     c = cfg.cluster
     if c.measured:
@@ -311,7 +367,8 @@ def hardware(cfg: PlanInputs, anatomy: Anatomy, rulers: Rulers | None, bandwidth
             threads_per_device=rulers.threads,
             overhead_s=rulers.strategy_overhead_s,
         )
-    per_sample = anatomy.flops_per_sample / (c.peak_flops * c.achievable_mfu)
+    # The run's own precision at the datasheet's peak for it, times what a tuned step achieves.
+    per_sample = executed_flops_per_sample / (precision_peak(advice_inputs(cfg), cfg.strategy.precision) * c.achievable_mfu)
     return Hardware(
         device_memory_bytes=c.device_memory_gib * GIB,
         devices_per_node=c.devices_per_node,
@@ -331,40 +388,38 @@ def predictions(cfg: PlanInputs, w: Workload, hw: Hardware, world: int,
     for devices in device_counts(cfg.plan.max_devices, world):
         if devices > 1 and not hw.intra:
             continue  # no bandwidth measured: nothing to predict beyond one device
-        for strategy in cfg.plan.strategies:
+        for strategy in [s for s in PURE if not cfg.plan.strategies or s in cfg.plan.strategies]:
             p = predict(w, hw, strategy, devices, limit, overlap, single, calibration)
             if p is not None:
                 out.append(p)
     return out
 
 
-def recommend(preds: list[Prediction], world: int, cfg: PlanInputs, hw: Hardware) -> tuple[str, list[str]]:
-    """The fastest strategy that fits at `world`, with the seed's rules as readable reasons."""
-    at_world = [p for p in preds if p.devices == world]
+def advice_inputs(cfg: PlanInputs) -> AdviceInputs:
+    return AdviceInputs(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(AdviceInputs)})
+
+
+def advise_plan(cfg: PlanInputs, anatomy: Anatomy, costs: list, hw: Hardware, w: Workload,
+                calibration: Calibration | None) -> tuple[dict, list[str]]:
+    """The search and the reasons; fields of the PlanResult."""
+    world = cfg.nodes * cfg.procs_per_node
     limit = cfg.plan.memory_fraction * hw.device_memory_bytes
-    pct = f"{cfg.plan.memory_fraction:.0%} of {hw.device_memory_bytes / GIB:.1f} GiB"
-    reasons = []
-    ddp = next((p for p in at_world if p.strategy == "ddp"), None)
-    if ddp is not None:
-        verb = ">" if not ddp.fits else "<="
-        advice = "shard the model" if not ddp.fits else "replicating fits"
-        reasons.append(f"memory: ddp needs {ddp.memory_per_device_bytes / GIB:.3f} GiB per device {verb} "
-                       f"{limit / GIB:.3f} GiB ({pct}): {advice}")
-    fitting = [p for p in at_world if p.fits]
-    if not fitting:
-        smallest = min(at_world, key=lambda p: p.memory_per_device_bytes)
-        reasons.append(f"nothing fits at {world} devices; {smallest.strategy} needs the least "
-                       f"({smallest.memory_per_device_bytes / GIB:.2f} GiB per device): add devices or shrink the batch")
-        return smallest.strategy, reasons
-    # Within 1 % of the fastest, prefer the simpler strategy (earlier in plan.strategies).
-    top = max(p.tokens_per_s for p in fitting)
-    order = cfg.plan.strategies
-    best = min((p for p in fitting if p.tokens_per_s >= 0.99 * top), key=lambda p: order.index(p.strategy))
-    runner_up = sorted((p for p in fitting if p is not best), key=lambda p: -p.tokens_per_s)[:1]
-    versus = f" vs {runner_up[0].strategy} {runner_up[0].tokens_per_s:.0f}" if runner_up else ""
-    reasons.append(f"throughput: {best.strategy} is the fastest that fits at {world} devices: predicted "
-                   f"{best.tokens_per_s:.0f} tokens/s{versus}, efficiency {best.scaling_efficiency:.2f}")
-    return best.strategy, reasons
+    overlap = cfg.plan.overlap if cfg.plan.overlap is not None else (0.0 if hw.cores else 1.0)
+    inputs = advice_inputs(cfg)
+    searched, requested, variants = advise(inputs, anatomy, costs, hw, limit, overlap, calibration)
+    best = searched.ranked[0] if searched.ranked else None
+    best = best if best is not None and best.fits else None
+    reasons = [headline_reason(best, searched, limit, world)]
+    reasons += rejection_reasons(searched, best, limit, hw, inputs, anatomy)
+    if requested is not None and best is not None:
+        reasons.append(f"requested: {requested.strategy} predicted {requested.tokens_per_s:.0f} tokens/s, "
+                       f"{requested.tokens_per_s / best.tokens_per_s:.2f}x the recommendation"
+                       + ("" if requested.fits else ", and it does not fit"))
+    recommended = best or (searched.ranked[0] if searched.ranked else None)
+    fields = {"recommended": recommended, "requested": requested, "candidates": searched.ranked[:10],
+              "evaluated": searched.evaluated, "variants": variants,
+              "predictions": predictions(cfg, w, hw, world, calibration)}
+    return fields, reasons
 
 
 def ruler_reasons(r: Rulers, cfg: PlanInputs, world: int) -> list[str]:
@@ -410,42 +465,51 @@ def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult,
     rulers = measure(cfg, bandwidth)
     micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
     anatomy = rulers.anatomy if cfg.cluster.measured else whatif_anatomy(cfg)
+    measured = rulers.activation_bytes / micro if cfg.cluster.measured else None
+    costs = variant_costs(cfg, anatomy, measured)
+    own = next(c for c in costs if (c.precision, c.activation_checkpointing) ==
+               (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
+    anatomy = dataclasses.replace(anatomy, activation_bytes_per_sample=own.activation_bytes_per_sample)
     w = workload(cfg, anatomy)
-    hw = hardware(cfg, anatomy, rulers, bandwidth, micro)
+    hw = hardware(cfg, own.executed_flops_per_sample, rulers, bandwidth, micro)
     calibration = fit_calibration(history) if cfg.plan.calibrate else None
-    preds = predictions(cfg, w, hw, world, calibration)
-    choice, reasons = recommend(preds, world, cfg, hw)
+    fields, reasons = advise_plan(cfg, anatomy, costs, hw, w, calibration)
     target = micro * cfg.train.grad_accum * data_parallel_size(cfg)
     reasons += ruler_reasons(rulers, cfg, world) + [lr_reason(lr_find, target, cfg.train.warmup_steps)]
     if cfg.plan.calibrate:
         reasons.append(calibration.describe() if calibration is not None else
                        "calibration: no earlier run of this model, batch, cluster and launcher in MLflow yet; "
                        "the uncalibrated model")
+    choice = fields["recommended"].strategy if fields["recommended"] is not None else cfg.strategy.name
     result = PlanResult(choice, reasons, rulers.peak_memory_bytes, anatomy.flops_per_sample, rulers, anatomy, world,
-                        micro, preds, lr_find.scaled(target), lr_find.lr_scaling, calibration)
+                        micro, lr=lr_find.scaled(target), lr_rule=lr_find.lr_scaling, calibration=calibration, **fields)
     for line in [*reasons, result.table()]:
         log("plan", line)
     return result
 
 
 def whatif(cfg: PlanInputs) -> PlanResult:
-    """pipeline=plan: the same predictions for hardware described by a cluster preset, from the
-    model built on the meta device at its real shape: its parameters, FLOPs and activations are
-    measured there with no memory and no compute, so it answers in seconds for any size."""
+    """pipeline=plan: the same advice for hardware described by a cluster preset, from the model
+    built on the meta device at its real shape: its parameters, FLOPs and activations are measured
+    there with no memory and no compute, so it answers in seconds for any size."""
     if cfg.cluster.measured:
         raise ValueError(f"cluster={cfg.cluster.name} is measured by running: use pipeline=full, or a described "
                          "cluster such as cluster=h100-80g-ndr for a what-if plan")
     world = cfg.nodes * cfg.procs_per_node
     anatomy = whatif_anatomy(cfg)
+    costs = variant_costs(cfg, anatomy, None)
+    own = next(c for c in costs if (c.precision, c.activation_checkpointing) ==
+               (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
+    anatomy = dataclasses.replace(anatomy, activation_bytes_per_sample=own.activation_bytes_per_sample)
     w = workload(cfg, anatomy)
-    hw = hardware(cfg, anatomy, None, None, w.micro_batch)
-    preds = predictions(cfg, w, hw, world)
-    choice, reasons = recommend(preds, world, cfg, hw)
-    peak = max((p.memory_per_device_bytes for p in preds if p.devices == world and p.strategy == choice), default=0)
-    result = PlanResult(choice, reasons, int(peak), anatomy.flops_per_sample, None, anatomy, world, w.micro_batch,
-                        preds, None, None, None)
+    hw = hardware(cfg, own.executed_flops_per_sample, None, None, w.micro_batch)
+    fields, reasons = advise_plan(cfg, anatomy, costs, hw, w, None)
+    best = fields["recommended"]
+    result = PlanResult(best.strategy if best is not None else cfg.strategy.name, reasons,
+                        int(best.memory_per_device_bytes) if best is not None else 0, anatomy.flops_per_sample, None,
+                        anatomy, world, w.micro_batch, lr=None, lr_rule=None, calibration=None, **fields)
     print(f"what-if: model={cfg.model.name} ({w.shape.params / 1e9:.2f} B parameters) on cluster={cfg.cluster.name}, "
-          f"{cfg.nodes} nodes x {cfg.procs_per_node} = {world} devices, micro-batch {w.micro_batch}")
+          f"{cfg.nodes} nodes x {cfg.procs_per_node} = {world} devices")
     print(result.table())
     for reason in reasons:
         print(f"  {reason}")

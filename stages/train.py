@@ -7,7 +7,6 @@ Scaling efficiency = samples/s(N) / (N x samples/s(1)), both measured in the sam
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import os
 import statistics
@@ -17,12 +16,14 @@ from pathlib import Path
 
 import torch
 
+from stages.advice import candidate_settings
 from stages.common import log, progress, workbench
 from stages.lr_find import LrFindResult
 from stages.plan import PlanResult
+from stages.trials import TrialsResult
 from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig
 from training.data import GlobalBatches, first_samples, loader
-from training.dist import gather_objects, rank
+from training.dist import gather_objects, rank, world_size
 from training.flops import peak_flops
 from training.lr_finder import scale_lr
 from training.memory import StepProbe
@@ -62,9 +63,9 @@ def _error_pct(measured: float, predicted: float) -> float:
 
 
 def check_prediction(plan: PlanResult, strategy: str, world: int, step_time_s: float, samples_per_s: float,
-                     efficiency: float, memory_bytes: float) -> PredictionCheck | None:
+                     efficiency: float, memory_bytes: float, auto: bool = False) -> PredictionCheck | None:
     """Hold the run against the plan's prediction for it (None when the plan made none)."""
-    predicted = plan.prediction(strategy, world)
+    predicted = plan.prediction_for_run(strategy, world, auto)
     if predicted is None:
         return None
     return PredictionCheck(
@@ -202,11 +203,15 @@ def parameter_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def resolve_strategy(strategy: StrategyConfig, plan: PlanResult) -> tuple[StrategyConfig, bool]:
-    """`auto` becomes the plan's recommendation (and says so); anything else is kept."""
-    if strategy.name != "auto":
-        return strategy, False
-    return dataclasses.replace(strategy, name=plan.recommended_strategy), True
+def resolve_strategy(strategy: StrategyConfig, train: TrainConfig, plan: PlanResult, trials: TrialsResult | None,
+                     world: int) -> tuple[StrategyConfig, TrainConfig, bool]:
+    """`auto` becomes the plan's whole recommendation (the measured best when trials ran): its
+    degrees, data-parallel flavour, micro-batch and accumulation, precision, checkpointing, pipeline
+    schedule and buckets, and says so. Anything but auto is kept as configured."""
+    chosen = trials.chosen if trials is not None and trials.chosen is not None else plan.recommended
+    if strategy.name != "auto" or chosen is None:
+        return strategy, train, False
+    return (*candidate_settings(chosen, strategy, train, world), True)
 
 
 def learning_rate(t: TrainConfig, lr_find: LrFindResult, global_batch: int) -> tuple[float, str]:
@@ -218,8 +223,8 @@ def learning_rate(t: TrainConfig, lr_find: LrFindResult, global_batch: int) -> t
     return lr, f"lr_find ({lr_find.lr_scaling} rule, batch {lr_find.finder_batch} -> {global_batch})"
 
 
-def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: TrainResult | None,
-        checkpoints: Path) -> TrainResult:
+def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: TrialsResult | None,
+        baseline: TrainResult | None, checkpoints: Path) -> TrainResult:
     # Here, not at the top: FSDP, pipelining and dynamo cost ~1 s to import, and the driver
     # imports this module for TrainResult on every invocation, a fully cached one included.
     from training import checkpoint
@@ -227,7 +232,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
     from training.parallel.compose import build_optimizer, parallelize
 
     t = cfg.train
-    strategy, auto = resolve_strategy(cfg.strategy, plan)
+    strategy, t, auto = resolve_strategy(cfg.strategy, cfg.train, plan, trials, world_size())
     bench = workbench(cfg.model, cfg.data, cfg.seed)
     tokens = tokens_per_sample(first_samples(bench.dataset, 1))
     parallel = parallelize(bench.model, bench.spec, strategy, bench.dev, bench.loss)
@@ -312,7 +317,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, baseline: 
         bucket_allreduce_ms=parallel.bucket_timer.ms if parallel.bucket_timer is not None else [],
         time_split=profiler.split if profiler is not None else [],
         prediction=check_prediction(plan, strategy.name, world, step_time, samples_per_s, efficiency,
-                                    memory.peak_bytes),
+                                    memory.peak_bytes, auto),
         system=system,
         ranks_in_sync=all(len({d for s, d in digests if s == k}) == 1 for k in {s for s, _ in digests}),
     )

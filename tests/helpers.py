@@ -20,3 +20,10 @@ def run_world(fn: str, inputs: Any = None, world: int = 2, workdir: Path | None 
     launcher = LocalLauncher(LauncherConfig(timeout_s=timeout_s, grace_s=grace_s))
     task = Task(stage="test", fn=fn, inputs=inputs, kwargs=kwargs, artifacts=artifacts, workdir=workdir)
     return launcher.run(task, WorldSpec(world, 1))
+
+
+def asked_statuses(summary: dict) -> dict[str, str]:
+    """Each stage's status in a summary.json, leaving out the stages the run did not ask for
+    (trials, with plan.trials=0: skipped by design, not by failure)."""
+    return {name: s["status"] for name, s in summary["stages"].items()
+            if not (s["status"] == "skipped" and (s.get("error") or "").startswith("not asked for"))}

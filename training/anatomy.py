@@ -9,17 +9,24 @@ seconds on a laptop), which is how a what-if plan measures a model larger than a
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from training.config import ModelConfig
 from training.costmodel import Anatomy, Shape
 from training.memory import SavedActivations
-from training.models import Batch, LossFn, batch_loss, batch_size, tokens_per_sample
-from training.models.spec import ContractError, ModelSpec, tp_divisors
+from training.models import Batch, LossFn, batch_loss, batch_size, build_model, model_loss, tokens_per_sample
+from training.models.spec import ContractError, ModelSpec, model_spec, tp_divisors
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def count_params(module: nn.Module) -> int:
@@ -100,3 +107,75 @@ def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> 
         tp_sizes=tuple(sorted(set(divisors.values()))),
         pipeline=pipeline,
     )
+
+
+def _fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
+                     dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                     enable_gqa: bool = False) -> torch.Tensor:
+    if attn_mask is not None:
+        return _MATH_SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                          enable_gqa=enable_gqa)
+    if k.shape[-3] != q.shape[-3]:
+        repeat = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(repeat, -3), v.repeat_interleave(repeat, -3)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, scale=scale)[0]
+
+
+_MATH_SDPA = F.scaled_dot_product_attention
+
+
+@contextlib.contextmanager
+def fused_attention_on_meta() -> Iterator[None]:
+    """Scaled-dot-product attention as a fused (flash) kernel runs it, on the meta device.
+
+    On meta every SDPA backend falls back to the math path, which saves the b x heads x s x s
+    attention matrix for backward; the fused kernels GPUs train with save only the output and its
+    log-sum-exp. CPU's own flash kernel has a meta implementation, so calls without a mask go
+    through it (grouped-query heads repeated first, as the fused kernels do): what a GPU saves is
+    what is counted (measured: the same bytes as the CPU's default kernel on real tensors). The
+    function itself is swapped, not intercepted by a mode, because activation checkpointing
+    recomputes inside the autograd engine, where modes do not reach."""
+    F.scaled_dot_product_attention = _fused_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = _MATH_SDPA
+
+
+@dataclass(frozen=True)
+class VariantCost:
+    """One precision and activation-checkpointing setting of a model, per sample."""
+
+    precision: str
+    activation_checkpointing: str
+    executed_flops_per_sample: float
+    """What the device computes: the model's FLOPs, plus the recomputed forward under checkpointing."""
+    activation_bytes_per_sample: float
+    """Saved for backward, as a GPU's fused attention saves it."""
+
+
+def measure_variant(cfg: ModelConfig, seed: int, sample: Batch, precision: str, checkpointing: str) -> VariantCost:
+    """The model at its real shape on the meta device, in `precision` with `checkpointing`: its
+    saved activations and executed FLOPs for one sample (`sample`, on the meta device)."""
+    from training.parallel.ac import apply_ac
+
+    def build() -> tuple[nn.Module, ModelSpec]:
+        with torch.device("meta"):
+            model = build_model(cfg, seed)
+        if DTYPES[precision] is not None:
+            model = model.to(DTYPES[precision])
+        spec = model_spec(model, cfg)
+        if checkpointing == "full":
+            apply_ac(spec.blocks)
+        return model, spec
+
+    loss = model_loss(cfg)
+    model, _ = build()
+    saved = SavedActivations(model)
+    with fused_attention_on_meta(), saved:
+        batch_loss(model, sample, loss).backward()
+    model, _ = build()
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as flops:
+        batch_loss(model, sample, loss).backward()
+    samples = batch_size(sample)
+    return VariantCost(precision, checkpointing, flops.get_total_flops() / samples, saved.bytes / samples)

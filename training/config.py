@@ -351,8 +351,17 @@ class PlanConfig:
     """Fraction of the backward pass that data-parallel communication can hide behind; null: 1 on
     GPUs (NCCL runs on its own stream beside the backward), 0 on CPU hosts (gloo's all-reduce needs
     the same cores the backward does, so nothing hides)."""
-    strategies: list[str] = field(default_factory=lambda: ["ddp", "zero1", "zero2", "zero3", "tp", "pp"])
-    """Strategies the plan compares."""
+    strategies: list[str] | None = None
+    """Only recommend these (among ddp, zero1, zero2, zero3, tp, pp, hybrid); null: every layout the
+    model allows. The scaling curves are drawn for the pure ones among them."""
+    precisions: list[str] | None = None
+    """Precisions the search may choose; null: the run's own, and bf16 where the devices support it
+    (a described GPU cluster; a measured cluster is planned in the precision it was measured in)."""
+    trials: int = 0
+    """Measure the best this many candidates with short real runs on the current launcher (the
+    trials stage) and recommend the fastest measured; 0: the cost model decides alone."""
+    trial_steps: int = 6
+    """Optimizer steps of each trial (the first two are warm-up and not timed)."""
     calibrate: bool = False
     """Refine the model's compute and communication terms from earlier runs of the same model and
     batch on the same cluster and launcher, found in MLflow (a study's earlier points included)."""
@@ -365,9 +374,13 @@ class PlanConfig:
         _at_least("max_devices", self.max_devices, 1)
         if self.overlap is not None and not 0 <= self.overlap <= 1:
             raise ConfigError("overlap", self.overlap, "must be in [0, 1]")
-        for name in self.strategies:
-            if name not in STRATEGIES or name in ("auto", "hybrid"):
-                raise ConfigError("strategies", name, "must be among ddp, zero1, zero2, zero3, tp, pp")
+        for name in self.strategies or []:
+            if name not in STRATEGIES or name == "auto":
+                raise ConfigError("strategies", name, "must be among ddp, zero1, zero2, zero3, tp, pp, hybrid")
+        for name in self.precisions or []:
+            _one_of("precisions", name, PRECISIONS)
+        _at_least("trials", self.trials, 0)
+        _at_least("trial_steps", self.trial_steps, 3)
 
 
 @dataclass(frozen=True)
@@ -384,6 +397,8 @@ class ClusterConfig:
     """Memory of one device."""
     peak_flops: float | None = None
     """Dense bf16 peak FLOP/s of one device (datasheet)."""
+    fp32_peak_flops: float | None = None
+    """Dense fp32 (TF32 on tensor cores) peak FLOP/s of one device; null: fp32 is not planned for."""
     achievable_mfu: float = 0.4
     """Fraction of the peak a well-tuned transformer step reaches (what-if compute time)."""
     intra_node_gbps: float | None = None

@@ -18,9 +18,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-COSTMODEL_VERSION = 2
+COSTMODEL_VERSION = 3
 """Bumped when the predicted components change meaning (2: per-call latency, measured strategy
-overhead): plan.calibrate only fits runs predicted by the same version."""
+overhead; 3: FSDP gathers per micro-batch, the last bucket's reduction never hidden, recomputation
+in compute): plan.calibrate only fits runs predicted by the same version."""
 
 ADAM_FP32 = (4, 4, 8)
 """Bytes per parameter for params, grads, optimizer state: fp32 training with Adam."""
@@ -201,6 +202,9 @@ class Comm:
     """Activations and their gradients sent between stages."""
     calls: int = 0
     """Collective calls per step: each one a point where this rank may wait for its peers."""
+    tail_s: float = 0.0
+    """The data-parallel reduction that cannot hide behind backward: the last bucket's (DDP) or the
+    last unit's (FSDP), launched when the backward pass has nothing left to do."""
 
 
 DDP_FIRST_BUCKET_BYTES = 1024**2
@@ -241,22 +245,27 @@ def comm_time(shape: Shape, strategy: str, d: Degrees, micro_batch: int, grad_ac
             made += calls
         return link(collective, span).time(collective, nbytes, ranks, calls)
 
+    tail = 0.0
     if n == 1:
         dp_s = 0.0
-    elif strategy == "zero1":  # DDP's buckets, then each rank's updated partition to the others
-        dp_s = call("all_reduce", grads, n, ddp_buckets(grads, bucket_cap_bytes)) + call("all_gather", params, n)
     elif d.dp_shard > 1:
         # FSDP2, per unit: an all-gather before its forward, a reduce-scatter after its backward,
         # and under ZeRO-3 (reshard after forward) another all-gather before its backward -
-        # except the root's, which FSDP keeps from forward to backward.
+        # except the root's, which FSDP keeps from forward to backward. The gathers come back
+        # for every micro-batch of an accumulating step; the reduce-scatter once per step.
         regathered = shape.params - shape.first_stage_params - shape.last_stage_params if strategy != "zero2" else 0
-        dp_s = (call("all_gather", params, n, units)
-                + call("all_gather", dtype_bytes * regathered / d.tp / d.pp, n, units - 1)
+        dp_s = (call("all_gather", params * grad_accum, n, units * grad_accum)
+                + call("all_gather", dtype_bytes * regathered / d.tp / d.pp * grad_accum, n, (units - 1) * grad_accum)
                 + call("reduce_scatter", grads, n, units))
+        tail = link("reduce_scatter", world).time("reduce_scatter", grads / units, n)
         if clip:  # the global gradient norm of sharded gradients: one scalar all-reduce
             dp_s += call("all_reduce", 4, n)
     else:
-        dp_s = call("all_reduce", grads, n, ddp_buckets(grads, bucket_cap_bytes))
+        buckets = ddp_buckets(grads, bucket_cap_bytes)
+        dp_s = call("all_reduce", grads, n, buckets)
+        tail = link("all_reduce", world).time("all_reduce", min(grads, bucket_cap_bytes), n)
+        if strategy == "zero1":  # then each rank's updated partition to the others
+            dp_s += call("all_gather", params, n)
     activation = activation_tensor_bytes(micro_batch, shape.seq_len, shape.hidden, dtype_bytes)
     layers = math.ceil(shape.layers / d.pp)
     # TP: two all-reduces per block in forward, two in backward, per micro-batch, inside a TP group.
@@ -265,7 +274,7 @@ def comm_time(shape: Shape, strategy: str, d: Degrees, micro_batch: int, grad_ac
     # PP: each microbatch's activations forward and their gradients back, between two stages.
     pp_calls = 2 * microbatches * grad_accum
     pp_s = call("broadcast", activation / microbatches * pp_calls, 2, pp_calls) if d.pp > 1 else 0.0
-    return Comm(dp_s, tp_s, pp_s, made)
+    return Comm(dp_s, tp_s, pp_s, made, tail)
 
 
 # ---- step time ------------------------------------------------------------------------------
@@ -294,7 +303,8 @@ def step_time(compute_s: float, comm: Comm, d: Degrees, microbatches: int, overl
     Data-parallel traffic hides behind the backward pass (2/3 of compute) up to `overlap`;
     tensor- and pipeline-parallel traffic is on the critical path."""
     hidden = overlap * compute_s * 2 / 3
-    exposed = max(comm.data_parallel_s - hidden, 0.0) + comm.tensor_parallel_s + comm.pipeline_s
+    dp_exposed = max(comm.data_parallel_s - hidden, min(comm.tail_s, comm.data_parallel_s) if overlap else 0.0, 0.0)
+    exposed = dp_exposed + comm.tensor_parallel_s + comm.pipeline_s
     busy = compute_s + overhead_s + exposed
     bubble = busy * pipeline_bubble(d.pp, microbatches) / (1 - pipeline_bubble(d.pp, microbatches))
     return StepPrediction(compute_s, exposed, bubble, overhead_s, comm.calls)
@@ -363,8 +373,13 @@ class Workload:
     run's precision and activation checkpointing."""
     bucket_cap_bytes: float = 25 * 1024**2
     """DDP's gradient bucket size (strategy.bucket_cap_mb)."""
+    seconds_per_sample: float | None = None
+    """This workload's compute per sample on one device when it differs from the hardware's
+    measured one (another precision or activation checkpointing); None: the hardware's."""
     clip: bool = False
     """Gradient clipping (train.grad_clip): sharded gradients need one more all-reduce for the norm."""
+    pp_schedule: str = "1f1b"
+    """GPipe keeps every microbatch's activations until the backward; 1F1B at most one per stage."""
 
 
 @dataclass(frozen=True)
@@ -524,31 +539,43 @@ def memory_per_device(w: Workload, strategy: str, d: Degrees) -> float:
     (min(m, p) of m under 1F1B), tensor parallelism splits them over its ranks."""
     state = state_memory(w.shape, strategy, d, w.mixed)
     layers_share = math.ceil(w.shape.layers / d.pp) / max(w.shape.layers, 1) if d.pp > 1 else 1.0
-    in_flight = min(w.microbatches, d.pp) / w.microbatches if d.pp > 1 else 1.0
+    in_flight = min(w.microbatches, d.pp) / w.microbatches if d.pp > 1 and w.pp_schedule == "1f1b" else 1.0
     activations = w.activation_bytes_per_sample * w.micro_batch * layers_share * in_flight / d.tp
     return state.total + activations
 
 
 def predict(w: Workload, hw: Hardware, strategy: str, devices: int, memory_limit: float, overlap: float,
             single_device_samples_per_s: float, calibration: Calibration | None = None) -> Prediction | None:
-    """Step time, throughput, memory and efficiency of `strategy` on `devices`; None if impossible.
-    With a `calibration`, the step time is its refinement of the model's components."""
-    d = PRESET_DEGREES[strategy](devices)
+    """A pure strategy on `devices` (its preset degrees); see predict_layout."""
+    return predict_layout(w, hw, strategy, PRESET_DEGREES[strategy](devices), memory_limit, overlap,
+                          single_device_samples_per_s, calibration)
+
+
+def predict_layout(w: Workload, hw: Hardware, flavour: str, d: Degrees, memory_limit: float, overlap: float,
+                   single_device_samples_per_s: float, calibration: Calibration | None = None,
+                   name: str | None = None) -> Prediction | None:
+    """Step time, throughput, memory and efficiency of the layout `d` whose data parallelism is
+    `flavour` (ddp, zero1, zero2 or zero3); None if the model can't be laid out so. `name` is the
+    strategy it is reported as (default: the flavour). With a `calibration`, the step time is its
+    refinement of the model's components."""
     if not feasible(w.shape, d, w):
         return None
+    name = name or flavour
+    devices = d.world
     dtype_bytes = 2 if w.mixed else 4
-    comm = comm_time(w.shape, strategy, d, w.micro_batch, w.grad_accum, w.microbatches, dtype_bytes, hw.link,
+    comm = comm_time(w.shape, flavour, d, w.micro_batch, w.grad_accum, w.microbatches, dtype_bytes, hw.link,
                      w.bucket_cap_bytes, w.clip)
-    compute = hw.compute_per_sample(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp)
-    overhead = hw.strategy_overhead(strategy, devices) * w.grad_accum
+    per_sample = w.seconds_per_sample if w.seconds_per_sample is not None else hw.seconds_per_sample
+    compute = per_sample * hw.contention(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp)
+    overhead = hw.strategy_overhead(flavour, devices) * w.grad_accum
     step = step_time(compute, comm, d, w.microbatches, overlap, overhead)
     step_s = step.step_s
     if calibration is not None:
-        step_s = calibration.step_s(strategy, step)
+        step_s = calibration.step_s(name, step)
     samples_per_s = w.micro_batch * w.grad_accum * d.dp / step_s
-    memory = memory_per_device(w, strategy, d)
+    memory = memory_per_device(w, flavour, d)
     return Prediction(
-        strategy=strategy,
+        strategy=name,
         devices=devices,
         fits=memory <= memory_limit,
         memory_per_device_bytes=memory,

@@ -66,3 +66,12 @@ def synchronize(dev: torch.device) -> None:
     """Wait for queued device work, so that host timers measure it."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+
+
+def all_reduce_max(value: float) -> float:
+    """The largest `value` over ranks (the slowest rank's time); itself without a process group."""
+    if not is_dist():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())

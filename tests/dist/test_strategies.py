@@ -110,11 +110,6 @@ def test_tp_halves_the_block_linears_and_pp_keeps_one_stage():
     assert pp.param_bytes == ddp.param_bytes - head_and_norm - block
 
 
-def test_auto_takes_the_plan_recommendation():
-    result = run(StrategyConfig(name="auto"), 2)
-    assert result.strategy == "zero3" and result.strategy_from_plan
-
-
 def test_ddp_bucket_timing_records_every_bucket_of_every_step():
     result = run(StrategyConfig(name="ddp", time_buckets=True, bucket_cap_mb=0.05), 2)
     assert result.losses == pytest.approx(reference().losses, **TOL)

@@ -45,7 +45,7 @@ def train_ddp(inputs: object) -> object:
 
     from stages.train import run
 
-    plan = SimpleNamespace(flops_per_sample=1.0, prediction=lambda strategy, world: None)
+    plan = SimpleNamespace(flops_per_sample=1.0, recommended=None, prediction_for_run=lambda strategy, world, auto: None)
     lr_find = SimpleNamespace(suggested_lr=1e-2, lr_scaling="none", finder_batch=8)
     return run(inputs, plan=plan, lr_find=lr_find, baseline=None, checkpoints=Path(tempfile.mkdtemp()))
 
@@ -58,7 +58,7 @@ def train_any(inputs: object) -> object:
     from stages.train import run
 
     inputs, ckpt = inputs
-    plan = SimpleNamespace(flops_per_sample=1.0, recommended_strategy="zero3", prediction=lambda strategy, world: None)
+    plan = SimpleNamespace(flops_per_sample=1.0, recommended=None, prediction_for_run=lambda strategy, world, auto: None)
     return run(inputs, plan=plan, lr_find=SimpleNamespace(suggested_lr=1e-2, lr_scaling="none", finder_batch=8), baseline=None, checkpoints=Path(ckpt))
 
 

@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import asked_statuses
+
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ["env", "bandwidth", "lr_find", "plan", "train", "report"]
+STAGES = ["env", "bandwidth", "lr_find", "plan", "trials", "train", "report"]
+ASKED = [s for s in STAGES if s != "trials"]  # plan.trials=0: the trials stage is not asked for
 SMOKE = ["experiment=smoke"]
 
 
@@ -40,7 +43,8 @@ def test_first_run_runs_every_stage(workspace):
     assert first.returncode == 0, first.stdout + first.stderr
     summary = summary_of(cwd / "runs/first")
     assert list(summary["stages"]) == STAGES
-    assert {n: s["status"] for n, s in summary["stages"].items()} == dict.fromkeys(STAGES, "ran")
+    assert asked_statuses(summary) == dict.fromkeys(ASKED, "ran")
+    assert summary["stages"]["trials"]["error"] == "not asked for (plan.trials=0)"
     assert f"summary: {cwd / 'runs/first/summary.json'}" in first.stdout
     stage = summary["stages"]
     assert stage["env"]["result"]["world_size"] == 2 and stage["env"]["result"]["consistent"]
@@ -82,7 +86,7 @@ def test_second_identical_run_is_all_cached(workspace):
     cwd, first, second = workspace
     assert second.returncode == 0, second.stdout + second.stderr
     summary = summary_of(cwd / "runs/second")
-    assert {n: s["status"] for n, s in summary["stages"].items()} == dict.fromkeys(STAGES, "cached")
+    assert asked_statuses(summary) == dict.fromkeys(ASKED, "cached")
     assert summary["stages"]["train"]["baseline"]["status"] == "cached"
     assert summary["stages"]["train"]["result"] == summary_of(cwd / "runs/first")["stages"]["train"]["result"]
 

@@ -13,7 +13,7 @@ def test_defaults_compose_to_the_documented_run(compose_cfg):
     assert (cfg.nodes, cfg.procs_per_node) == (2, 1)
     assert cfg.strategy.name == "ddp" and cfg.launcher.name == "local"
     assert cfg.tracking.uri == "sqlite:///outputs/mlflow.db"
-    assert list(cfg.pipeline.stages) == ["env", "bandwidth", "lr_find", "plan", "train", "report"]
+    assert list(cfg.pipeline.stages) == ["env", "bandwidth", "lr_find", "plan", "trials", "train", "report"]
 
 
 def test_card_form_and_groups(compose_cfg):

@@ -7,7 +7,6 @@ import dataclasses
 import pytest
 import torch
 
-from stages.plan import PlanInputs, whatif
 from training.anatomy import measure_anatomy
 from training.config import ModelConfig
 from training.costmodel import (
@@ -105,40 +104,6 @@ def test_alpha_beta_fit_recovers_a_known_link():
     fitted = fit_link([(b, truth.time("all_reduce", b, 2)) for b in sizes], "all_reduce", 2)
     assert fitted.busbw_gbps == pytest.approx(1.3, rel=0.02)
     assert fitted.alpha_s == pytest.approx(50e-6, rel=0.05)
-
-
-def plan_inputs(compose_cfg, *overrides: str) -> PlanInputs:
-    cfg = compose_cfg("pipeline=plan", "tracking=none", "train.micro_batch=1", "strategy.precision=bf16",
-                      "strategy.activation_checkpointing=full", *overrides)
-    return PlanInputs(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(PlanInputs)})
-
-
-def test_whatif_for_the_card_example(compose_cfg, capsys):
-    result = whatif(plan_inputs(compose_cfg, "cluster=h100-80g-ndr", "model=gpt-7b", "nodes=64"))
-    assert result.world_size == 512
-    ddp, zero3 = result.prediction("ddp", 512), result.prediction("zero3", 512)
-    assert not ddp.fits and zero3.fits, "7 B with Adam needs 16 bytes/param: 100 GiB > 70 % of 80 GiB"
-    assert result.recommended_strategy in ("zero1", "zero2", "zero3")
-    assert "ddp needs" in result.reasons[0] and "shard the model" in result.reasons[0]
-    assert {p.devices for p in result.predictions} >= {1, 2, 512, 1024}
-    assert "zero3" in capsys.readouterr().out
-
-
-def test_recommendation_flips_to_sharding_when_memory_crosses_the_threshold(compose_cfg):
-    roomy = whatif(plan_inputs(compose_cfg, "cluster=h100-80g-ndr", "model=gpt-1b", "nodes=1"))
-    tight = whatif(plan_inputs(compose_cfg, "cluster=h100-80g-ndr", "model=gpt-1b", "nodes=1",
-                               "plan.memory_fraction=0.2"))
-    assert roomy.prediction("ddp", 8).fits and not tight.prediction("ddp", 8).fits
-    assert roomy.recommended_strategy == "ddp"
-    assert tight.recommended_strategy in ("zero1", "zero2", "zero3", "tp", "pp")
-    assert "shard the model" in tight.reasons[0]
-
-
-def test_low_inter_node_bandwidth_steers_away_from_cross_node_tp(compose_cfg):
-    inside = whatif(plan_inputs(compose_cfg, "cluster=1gbe", "model=gpt-1b", "nodes=1"))
-    across = whatif(plan_inputs(compose_cfg, "cluster=1gbe", "model=gpt-1b", "nodes=2"))
-    assert across.prediction("tp", 16).tokens_per_s < inside.prediction("tp", 8).tokens_per_s / 10
-    assert across.recommended_strategy != "tp"
 
 
 def test_calibration_recovers_known_scales_and_leaves_unmeasured_strategies_at_the_median():

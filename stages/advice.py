@@ -1,0 +1,245 @@
+"""The plan's advice: the search over layouts and knobs set up from the run's own measurements (or a
+described cluster), the run's own layout predicted the same way, and the reasons in the seeds'
+terms: which ruler (memory, bandwidth, compute) decided against each strategy."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from training.config import ClusterConfig, DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
+from training.costmodel import Anatomy, Calibration, Degrees, Hardware, Workload, predict_layout, state_memory
+from training.parallel.dims import resolve_dims
+from training.search import (
+    Candidate,
+    Searched,
+    Space,
+    Variant,
+    closest_miss,
+    search,
+    strategy_name,
+)
+
+if TYPE_CHECKING:
+    from training.anatomy import VariantCost
+
+GIB = 1024**3
+PURE = ("ddp", "zero1", "zero2", "zero3", "tp", "pp")
+
+
+@dataclass(frozen=True)
+class AdviceInputs:
+    """What the advice reads of the plan's inputs."""
+
+    plan: PlanConfig
+    cluster: ClusterConfig
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    strategy: StrategyConfig
+    nodes: int
+    procs_per_node: int
+    seed: int
+
+
+def flavour_of(strategy: StrategyConfig, d: Degrees) -> str:
+    """The data-parallel flavour a configured strategy trains with (what the cost model charges)."""
+    if strategy.name in ("ddp", "zero1", "zero2", "zero3"):
+        return strategy.name
+    if d.dp_shard > 1:
+        return "zero3" if strategy.reshard else "zero2"
+    return "ddp"
+
+
+def searched_variants(cfg: AdviceInputs, blocks: int) -> list[tuple[str, str]]:
+    """(precision, checkpointing) pairs the search may choose, the run's own among them. On a
+    described GPU cluster bf16 dominates fp32 (faster and smaller), so fp32 is searched only when
+    asked for; a measured cluster is planned in the precision it was measured in."""
+    own = (cfg.strategy.precision, cfg.strategy.activation_checkpointing)
+    if cfg.plan.precisions is not None:
+        precisions = list(cfg.plan.precisions)
+    elif cfg.cluster.measured:
+        precisions = [cfg.strategy.precision]
+    else:
+        precisions = ["bf16"]
+    if not cfg.cluster.measured and cfg.cluster.fp32_peak_flops is None:
+        precisions = [p for p in precisions if p != "fp32"]
+    checkpointing = ["none", "full"] if blocks else ["none"]
+    pairs = [(p, c) for p in precisions for c in checkpointing]
+    return list(dict.fromkeys([own, *pairs]))
+
+
+def precision_peak(cfg: AdviceInputs, precision: str) -> float | None:
+    """The peak FLOP/s of one device in `precision`: train.peak_flops, else a described cluster's
+    datasheet figure (a measured CPU has none)."""
+    if cfg.train.peak_flops is not None:
+        return cfg.train.peak_flops
+    if cfg.cluster.measured:
+        return None
+    c = cfg.cluster
+    return c.fp32_peak_flops if precision == "fp32" and c.fp32_peak_flops else c.peak_flops
+
+
+def variant(cfg: AdviceInputs, cost: VariantCost, own: VariantCost, hw: Hardware) -> Variant:
+    """A setting's compute per sample: on a measured cluster the measured step scaled by the FLOPs
+    it executes (checkpointing's recomputation); on a described one its FLOPs at the cluster's peak
+    for that precision times its achievable MFU."""
+    peak = precision_peak(cfg, cost.precision)
+    if cfg.cluster.measured:
+        seconds = hw.seconds_per_sample * cost.executed_flops_per_sample / own.executed_flops_per_sample
+    else:
+        seconds = cost.executed_flops_per_sample / (peak * cfg.cluster.achievable_mfu)
+    return Variant(cost.precision, cost.activation_checkpointing, seconds, cost.activation_bytes_per_sample, peak)
+
+
+def command_prefix(cfg: AdviceInputs) -> str:
+    """What every candidate's command shares: the world and the workload as this run named them."""
+    return (f"model={cfg.model.name} data={cfg.data.name} cluster={cfg.cluster.name} nodes={cfg.nodes} "
+            f"procs_per_node={cfg.procs_per_node}")
+
+
+def advise(cfg: AdviceInputs, anatomy: Anatomy, costs: list[VariantCost], hw: Hardware, memory_limit: float,
+           overlap: float, calibration: Calibration | None) -> tuple[Searched, Candidate, list[Variant]]:
+    """The search, and the run's own layout and knobs predicted the same way."""
+    world = cfg.nodes * cfg.procs_per_node
+    own_cost = next(c for c in costs if (c.precision, c.activation_checkpointing) ==
+                    (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
+    variants = [variant(cfg, c, own_cost, hw) for c in costs]
+    space = Space(
+        world=world, devices_per_node=min(hw.devices_per_node, world),
+        global_batch=cfg.train.global_batch, replica_batch=cfg.train.micro_batch * cfg.train.grad_accum,
+        variants=variants, strategies=tuple(cfg.plan.strategies) if cfg.plan.strategies else None,
+        clip=cfg.train.grad_clip is not None,
+    )
+    searched = search(space, anatomy.shape, hw, anatomy.tokens_per_sample, anatomy.flops_per_sample,
+                      memory_limit, overlap, calibration, command_prefix(cfg))
+    requested = None
+    if cfg.strategy.name != "auto":
+        micro = cfg.train.micro_batch_for(resolve_dims(cfg.strategy, world).dp_size)
+        requested = own_candidate(cfg, anatomy, variants, hw, memory_limit, overlap, calibration, micro, space)
+    return searched, requested, variants
+
+
+def own_candidate(cfg: AdviceInputs, anatomy: Anatomy, variants: list[Variant], hw: Hardware, memory_limit: float,
+                  overlap: float, calibration: Calibration | None, micro: int, space: Space) -> Candidate | None:
+    """The layout and knobs this invocation asked for, predicted as a candidate."""
+    from training.search import _candidate
+
+    world = cfg.nodes * cfg.procs_per_node
+    dims = resolve_dims(cfg.strategy, world)
+    d = Degrees(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp)
+    flavour = flavour_of(cfg.strategy, d)
+    own = next(v for v in variants if (v.precision, v.activation_checkpointing) ==
+               (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
+    w = Workload(shape=anatomy.shape, micro_batch=micro, grad_accum=cfg.train.grad_accum,
+                 microbatches=cfg.strategy.microbatches, mixed=cfg.strategy.precision != "fp32",
+                 checkpointing=cfg.strategy.activation_checkpointing == "full",
+                 tokens_per_sample=anatomy.tokens_per_sample, activation_bytes_per_sample=own.activation_bytes_per_sample,
+                 bucket_cap_bytes=cfg.strategy.bucket_cap_mb * 1024**2, seconds_per_sample=own.seconds_per_sample,
+                 clip=cfg.train.grad_clip is not None, pp_schedule=cfg.strategy.pp_schedule)
+    name = cfg.strategy.name if cfg.strategy.name in PURE else strategy_name(flavour, d)
+    p = predict_layout(w, hw, flavour, d, memory_limit, overlap, 1.0 / own.seconds_per_sample, calibration, name)
+    if p is None:
+        return None
+    return _candidate(p, flavour, d, w, own, cfg.strategy.pp_schedule, cfg.strategy.bucket_cap_mb,
+                      anatomy.flops_per_sample, dataclasses.replace(space, global_batch=cfg.train.global_batch),
+                      command_prefix(cfg))
+
+
+def rejection_reasons(searched: Searched, best: Candidate | None, memory_limit: float, hw: Hardware,
+                      cfg: AdviceInputs, anatomy: Anatomy) -> list[str]:
+    """For each pure strategy, the ruler that decided against it (or that it is the choice)."""
+    reasons = []
+    pct = f"{cfg.plan.memory_fraction:.0%} of {hw.device_memory_bytes / GIB:.1f} GiB"
+    for name in PURE:
+        own = [c for c in searched.ranked if c.strategy == name]
+        if not own:
+            reasons.append(f"{name}: {_why_absent(name, anatomy, cfg)}")
+            continue
+        top = own[0]
+        if best is not None and top is best:
+            continue
+        if not top.fits:
+            states = state_memory(anatomy.shape, top.flavour, top.degrees, top.precision != "fp32").total
+            rest = top.memory_per_device_bytes - states
+            reasons.append(f"{name}: states {states / GIB:.1f} GiB + activations {rest / GIB:.1f} GiB per device "
+                           f"> {memory_limit / GIB:.1f} GiB ({pct}), even at micro-batch {top.micro_batch} in "
+                           f"{top.precision} with {top.activation_checkpointing} checkpointing: the memory ruler")
+            continue
+        cross = top.dims["tp"] > hw.devices_per_node
+        if cross:
+            inter = hw.inter.get("all_reduce") or next(iter(hw.inter.values()), None)
+            intra = hw.intra.get("all_reduce") or next(iter(hw.intra.values()), None)
+            reasons.append(f"{name}: tp={top.dims['tp']} crosses nodes: its all-reduces ride the "
+                           f"{inter.busbw_gbps:g} GB/s inter-node link, not the {intra.busbw_gbps:g} GB/s one: the "
+                           f"bandwidth ruler ({top.tokens_per_s:.0f} tokens/s)" if inter and intra else
+                           f"{name}: tp={top.dims['tp']} crosses nodes: the bandwidth ruler")
+            continue
+        if best is not None:
+            reasons.append(f"{name}: fits ({top.memory_per_device_bytes / GIB:.1f} GiB) but predicted "
+                           f"{top.tokens_per_s:.0f} tokens/s, {top.tokens_per_s / best.tokens_per_s:.2f}x the "
+                           f"recommendation: {_what_costs(top, best)}")
+    return reasons
+
+
+def _what_costs(c: Candidate, best: Candidate) -> str:
+    """Which ruler a slower candidate loses by: exposed communication (bandwidth), the pipeline's
+    bubble, or compute (recomputation it needs to fit, or its overhead)."""
+    step, p = c.step_time_s, c.prediction
+    if p.bubble_s > 0.2 * step:
+        return f"the pipeline bubble ({100 * p.bubble_s / step:.0f} % of its step)"
+    if p.exposed_comm_s > 0.2 * step:
+        return f"the bandwidth ruler ({100 * p.exposed_comm_s / step:.0f} % of its step is exposed communication)"
+    if c.activation_checkpointing == "full" and best.activation_checkpointing == "none":
+        return "the memory ruler: it fits only with full checkpointing, whose recomputation costs compute"
+    return f"the compute ruler ({100 * (p.compute_s + p.overhead_s) / step:.0f} % of its step is compute and overhead)"
+
+
+def _why_absent(name: str, anatomy: Anatomy, cfg: AdviceInputs) -> str:
+    shape = anatomy.shape
+    if name == "tp":
+        if shape.block_linear_params == 0:
+            return "the model declares no tensor-parallel plan"
+        return f"tp={cfg.nodes * cfg.procs_per_node} does not divide its widths and heads {list(shape.tp_sizes)}"
+    if name == "pp":
+        if not shape.pipeline:
+            return "the model declares no pipeline layout"
+        return f"pp={cfg.nodes * cfg.procs_per_node} stages would exceed its {shape.layers} blocks"
+    if cfg.plan.strategies and name not in cfg.plan.strategies:
+        return "left out by plan.strategies"
+    return "no batch split of this world keeps the batch"
+
+
+def headline_reason(best: Candidate | None, searched: Searched, memory_limit: float, world: int) -> str:
+    if best is None or not best.fits:
+        return closest_miss(searched.ranked, memory_limit)
+    runner = next((c for c in searched.ranked if c is not best and c.fits), None)
+    versus = f" vs {runner.strategy} {runner.tokens_per_s:.0f}" if runner else ""
+    return (f"throughput: {best.strategy} {_short(best)} is the fastest that fits at {world} devices of "
+            f"{searched.evaluated} predictions: {best.tokens_per_s:.0f} tokens/s{versus}, "
+            f"efficiency {best.scaling_efficiency:.2f}, {best.memory_per_device_bytes / GIB:.2f} GiB per device")
+
+
+def _short(c: Candidate) -> str:
+    dims = " x ".join(f"{k}={v}" for k, v in c.dims.items() if v > 1)
+    return (f"({dims + ', ' if dims else ''}micro-batch {c.micro_batch} x {c.grad_accum}, {c.precision}, "
+            f"{c.activation_checkpointing} checkpointing)")
+
+
+def candidate_settings(c: Candidate, strategy: StrategyConfig, train: TrainConfig,
+                       world: int) -> tuple[StrategyConfig, TrainConfig]:
+    """The strategy and train settings that train candidate `c` (what `c.command` sets). On one
+    device (the 1-device baseline) its degrees are all 1 and the rest is kept, so that scaling
+    efficiency compares like with like."""
+    degrees = c.dims if world > 1 else {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1}
+    name = c.strategy if world > 1 or c.strategy not in ("zero1", "tp", "pp", "hybrid") else "ddp"
+    chosen = dataclasses.replace(
+        strategy, name=name, dp_replicate=degrees["dp_replicate"], dp_shard=degrees["dp_shard"], tp=degrees["tp"],
+        pp=degrees["pp"], reshard_after_forward=c.flavour != "zero2" if degrees["dp_shard"] > 1 else None,
+        precision=c.precision, activation_checkpointing=c.activation_checkpointing, pp_schedule=c.pp_schedule,
+        microbatches=c.microbatches if degrees["pp"] > 1 else strategy.microbatches, bucket_cap_mb=c.bucket_cap_mb)
+    # With a fixed global batch the micro-batch follows from it; else the candidate's is per replica.
+    sized = dataclasses.replace(train, grad_accum=c.grad_accum,
+                                micro_batch=c.micro_batch if train.global_batch is None else train.micro_batch)
+    return chosen, sized

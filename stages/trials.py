@@ -1,0 +1,129 @@
+"""trials: the cost model prunes, measurement decides.
+
+With plan.trials=K, the K best fitting candidates of the plan's search are each trained for
+plan.trial_steps steps on the current launcher's world (the same training step and loop as train,
+the first two steps untimed), and the one with the highest measured throughput is the
+recommendation strategy=auto trains. The measurements also refit the cost model's calibration (how
+far off it was for these very layouts on these very workers), reported beside them. A candidate
+that does not run (out of memory, say) is reported as such and left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+
+from stages.advice import candidate_settings
+from stages.common import log, progress, workbench
+from stages.lr_find import LrFindResult
+from stages.plan import PlanResult
+from training.config import DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
+from training.costmodel import Calibration, MeasuredStep, StepPrediction, fit_calibration
+from training.search import Candidate
+
+UNTIMED = 2
+
+
+@dataclass(frozen=True)
+class TrialsInputs:
+    plan: PlanConfig
+    train: TrainConfig
+    model: ModelConfig
+    data: DataConfig
+    strategy: StrategyConfig
+    seed: int
+
+
+@dataclass(frozen=True)
+class Trial:
+    candidate: Candidate
+    step_time_s: float | None
+    """The median timed step (None: it did not run)."""
+    tokens_per_s: float | None
+    error: str | None
+
+    @property
+    def measured_over_predicted(self) -> float | None:
+        return self.step_time_s / self.candidate.step_time_s if self.step_time_s else None
+
+
+@dataclass(frozen=True)
+class TrialsResult:
+    trials: list[Trial]
+    chosen: Candidate | None
+    """The measured fastest; None when no trial ran."""
+    calibration: Calibration | None
+    """The cost model refitted to the trials."""
+
+    def metrics(self) -> list[tuple[str, float, int]]:
+        out = []
+        for i, t in enumerate(self.trials):
+            if t.tokens_per_s is not None:
+                out += [("trials/tokens_per_s", t.tokens_per_s, i), ("trials/predicted_tokens_per_s",
+                                                                   t.candidate.tokens_per_s, i),
+                        ("trials/measured_over_predicted_step", t.measured_over_predicted, i)]
+        return out
+
+    def headline(self) -> str:
+        ran = [t for t in self.trials if t.tokens_per_s is not None]
+        if self.chosen is None:
+            return f"{len(self.trials)} trials, none ran"
+        return (f"{len(ran)} of {len(self.trials)} candidates measured: {self.chosen.strategy} "
+                f"{max(t.tokens_per_s for t in ran):.0f} tokens/s is the fastest")
+
+
+def run(cfg: TrialsInputs, *, plan: PlanResult, lr_find: LrFindResult) -> TrialsResult:
+    from training.dist import all_reduce_max, world_size
+
+    picked = [c for c in plan.candidates if c.fits][: cfg.plan.trials]
+    trials = []
+    for i, candidate in enumerate(picked, 1):
+        progress("trials", f"trial {i}/{len(picked)}: {candidate.command.split(' strategy=', 1)[-1]}")
+        try:
+            step_s = all_reduce_max(_measure(cfg, candidate, lr_find, world_size()))
+            tokens = candidate.tokens_per_s * candidate.step_time_s / step_s
+            trials.append(Trial(candidate, step_s, tokens, None))
+        except RuntimeError as err:  # an out-of-memory or a layout the workers refuse: reported, skipped
+            if "out of memory" not in str(err).lower():
+                raise
+            trials.append(Trial(candidate, None, None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"))
+        log("trials", f"{candidate.strategy} {candidate.dims}: {trials[-1].tokens_per_s or trials[-1].error}")
+    ran = [t for t in trials if t.step_time_s is not None]
+    chosen = max(ran, key=lambda t: t.tokens_per_s).candidate if ran else None
+    points = [MeasuredStep(t.candidate.strategy, plan.world_size, _components(t.candidate), t.step_time_s) for t in ran]
+    return TrialsResult(trials, chosen, fit_calibration(points))
+
+
+def _components(c: Candidate) -> StepPrediction:
+    p = c.prediction
+    return StepPrediction(p.compute_s, p.exposed_comm_s, p.bubble_s, p.overhead_s, p.collective_calls)
+
+
+def _measure(cfg: TrialsInputs, candidate: Candidate, lr_find: LrFindResult, world: int) -> float:
+    """The median step of a short run of `candidate` (this rank's)."""
+    import gc
+
+    import torch
+
+    from training.data import GlobalBatches, loader
+    from training.loop import lr_lambda, train_loop
+    from training.parallel.compose import build_optimizer, parallelize
+
+    strategy, train = candidate_settings(candidate, cfg.strategy, cfg.train, world)
+    train = dataclasses.replace(train, steps=cfg.plan.trial_steps, timing_warmup=UNTIMED, log_every=cfg.plan.trial_steps)
+    bench = workbench(cfg.model, cfg.data, cfg.seed)
+    parallel = parallelize(bench.model, bench.spec, strategy, bench.dev, bench.loss)
+    dims = parallel.dims
+    batches = GlobalBatches(len(bench.dataset), train.micro_batch_for(dims.dp_size), train.grad_accum,
+                            parallel.dp_rank, dims.dp_size, cfg.seed)
+    optimizer = build_optimizer(parallel, train.lr or lr_find.scaled(batches.global_batch), train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(0, train.steps, "constant"))
+    data = iter(loader(bench.dataset, batches, 0, train.steps, cfg.data.num_workers, bench.dev))
+    stats = train_loop(parallel, optimizer, scheduler, data, train.grad_accum, train.steps, train.grad_clip,
+                       train.log_every, train.timing_warmup, bench.dev)
+    del parallel, optimizer, scheduler, data, bench
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return statistics.median(stats.step_seconds)

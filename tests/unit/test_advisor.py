@@ -1,0 +1,114 @@
+"""The advisor: the search over layouts and knobs on described clusters (what-if plans, the model on
+the meta device), its invariants, and the three answers a practitioner would give in one breath."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from stages.plan import PlanInputs, whatif
+from training.search import Candidate
+
+GIB = 1024**3
+
+
+def plan_inputs(compose_cfg, *overrides: str) -> PlanInputs:
+    cfg = compose_cfg("pipeline=plan", "tracking=none", *overrides)
+    return PlanInputs(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(PlanInputs)})
+
+
+@pytest.fixture(scope="module")
+def seven_b(compose_cfg):
+    """The card's example as a new user types it: defaults everywhere (micro-batch 8, fp32)."""
+    return whatif(plan_inputs(compose_cfg, "cluster=h100-80g-ndr", "model=gpt-7b", "nodes=64"))
+
+
+def limit(result) -> float:
+    return 0.7 * 80 * GIB
+
+
+def test_7b_on_512_h100_finds_what_a_practitioner_says_in_one_breath(seven_b):
+    best = seven_b.recommended
+    assert best.fits and best.memory_per_device_bytes <= limit(seven_b)
+    assert best.precision == "bf16" and best.flavour in ("zero1", "zero2", "zero3")
+    assert best.micro_batch <= 8 and seven_b.recommended_strategy == best.strategy
+    # What the defaults asked for (ddp, micro-batch 8, fp32) does not fit, and the plan says why.
+    assert seven_b.requested is not None and not seven_b.requested.fits
+    assert any(r.startswith("ddp: states ") and "the memory ruler" in r for r in seven_b.reasons)
+
+
+def test_70b_on_64_a100_is_tensor_parallel_inside_nodes_or_sharded(compose_cfg):
+    result = whatif(plan_inputs(compose_cfg, "cluster=a100-80g-ib", "model=gpt-70b", "nodes=8"))
+    best = result.recommended
+    assert best.fits, result.reasons[0]
+    assert best.dims["tp"] <= 8, "tensor parallelism stays inside a node"
+    assert best.dims["dp_shard"] > 1 or best.dims["tp"] > 1 or best.dims["pp"] > 1
+
+
+def test_1b_on_one_h100_node_is_data_parallel_in_bf16(compose_cfg):
+    result = whatif(plan_inputs(compose_cfg, "cluster=h100-80g-ndr", "model=gpt-1b", "nodes=1"))
+    best = result.recommended
+    assert best.fits and best.precision == "bf16" and best.dims["tp"] == 1 and best.dims["pp"] == 1
+    tp = next(c for c in result.candidates + [result.recommended] if c.strategy == "tp") if any(
+        c.strategy == "tp" for c in result.candidates) else None
+    assert tp is None or tp.tokens_per_s < best.tokens_per_s
+
+
+def test_every_candidate_marked_fitting_fits_and_the_recommendation_is_the_fastest(seven_b):
+    fitting = [c for c in seven_b.candidates if c.fits]
+    assert fitting and all(c.memory_per_device_bytes <= limit(seven_b) for c in fitting)
+    assert all(seven_b.recommended.tokens_per_s >= 0.99 * c.tokens_per_s for c in fitting)
+    assert len(seven_b.candidates) <= 10 and seven_b.evaluated > 100
+
+
+def test_the_requested_layout_is_predicted_as_an_explicit_run_of_it_would_be(compose_cfg, seven_b):
+    """Run the recommendation's own command as a plan: its `requested` is the same prediction."""
+    best = seven_b.recommended
+    overrides = best.command.split("python run.py ", 1)[1].split()
+    again = whatif(plan_inputs(compose_cfg, "pipeline=plan", *[o for o in overrides if not o.startswith("data=")]))
+    mine = again.requested
+    assert (mine.strategy, mine.dims, mine.micro_batch, mine.grad_accum, mine.precision) == (
+        best.strategy, best.dims, best.micro_batch, best.grad_accum, best.precision)
+    assert mine.tokens_per_s == pytest.approx(best.tokens_per_s) and mine.memory_per_device_bytes == pytest.approx(
+        best.memory_per_device_bytes)
+
+
+def test_ties_go_to_the_simpler_layout():
+    from training.search import rank
+
+    def candidate(strategy: str, flavour: str, tp: int, tokens: float) -> Candidate:
+        dims = {"pp": 1, "dp_replicate": 1, "dp_shard": 8 // tp if flavour != "ddp" else 1, "tp": tp}
+        return Candidate(strategy, flavour, dims, 1, 1, "none", "bf16", "1f1b", 1, 25.0, True, 1.0, 1.0, tokens, None,
+                         1.0, "", prediction=None)
+
+    hybrid = candidate("hybrid", "zero3", 2, 1000.0)
+    zero3 = candidate("zero3", "zero3", 1, 995.0)
+    zero2 = candidate("zero2", "zero2", 1, 994.0)
+    assert rank([hybrid, zero3, zero2])[0] is zero2, "within 1 %: fewer degrees, then the plainer sharding"
+    assert rank([candidate("zero3", "zero3", 1, 900.0), hybrid])[0] is hybrid, "10 % faster beats simpler"
+
+
+def test_the_search_for_70b_on_1024_devices_takes_seconds(compose_cfg):
+    """The search alone (the model measured once, on the meta device, before it)."""
+    from stages import plan as plan_stage
+    from training.search import search
+
+    seen = {}
+    original = plan_stage.advise_plan
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = original(*args, **kwargs)
+        seen["s"] = time.perf_counter() - start
+        return out
+
+    plan_stage.advise_plan = timed
+    try:
+        result = whatif(plan_inputs(compose_cfg, "cluster=h100-80g-ndr", "model=gpt-70b", "nodes=128"))
+    finally:
+        plan_stage.advise_plan = original
+    assert result.world_size == 1024 and result.recommended.fits
+    assert seen["s"] < 10, f"the search took {seen['s']:.1f} s"
+    assert search  # the module the plan searches with

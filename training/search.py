@@ -1,0 +1,304 @@
+"""The advisor's search: every parallel layout of the world and the knobs that make it fit, ranked
+by the cost model's predicted throughput.
+
+A candidate is a factorisation pp x dp_replicate x dp_shard x tp of the world that the model allows
+(tp divides its widths and heads, pp has a block per stage and a declared layout), the data-parallel
+flavour (ddp or zero1 when replicating; zero2 or zero3 when sharding), a micro-batch and the
+accumulation that keeps the batch (train.global_batch when set, else each replica's micro_batch x
+grad_accum), activation checkpointing, precision, the pipeline schedule and microbatches, and DDP's
+bucket size. Pure strategies are points of this space.
+
+It is not enumerated blindly: within a layout and setting, a larger micro-batch never predicts
+slower (fewer accumulation steps: fewer FSDP gathers, fewer tensor-parallel calls, deeper
+pipelines), so the micro-batches are tried from the largest down and the search stops at the first
+that fits. The objective is the highest predicted tokens/s among candidates that fit in
+plan.memory_fraction of a device; within 1 % of the best, the simpler layout wins (fewer non-trivial
+degrees, then the plainer data parallelism).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from training.costmodel import (
+    Calibration,
+    Degrees,
+    Hardware,
+    Prediction,
+    Shape,
+    Workload,
+    feasible,
+    predict_layout,
+)
+
+FLAVOURS = ("ddp", "zero1", "zero2", "zero3")
+"""How data parallelism holds the model: replicate (ddp), shard the optimizer (zero1), also the
+gradients (zero2), also the parameters (zero3)."""
+SIMPLICITY = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+TOP = 10
+TIE = 0.01
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What one precision and activation-checkpointing setting costs per sample on one device."""
+
+    precision: str
+    activation_checkpointing: str
+    seconds_per_sample: float
+    activation_bytes_per_sample: float
+    peak_flops: float | None = None
+    """The device's peak FLOP/s in this precision (MFU divides by it); None: unknown (CPUs)."""
+
+
+@dataclass(frozen=True)
+class Space:
+    """What the search may choose from."""
+
+    world: int
+    devices_per_node: int
+    global_batch: int | None
+    """train.global_batch: fixed samples per step; None keeps each replica's batch instead."""
+    replica_batch: int
+    """Without a fixed global batch: samples per data-parallel replica per step (micro x accum)."""
+    variants: list[Variant]
+    pp_schedules: tuple[str, ...] = ("1f1b", "gpipe")
+    bucket_caps_mb: tuple[float, ...] = (1.0, 4.0, 25.0, 100.0)
+    strategies: tuple[str, ...] | None = None
+    """Only candidates reported as one of these (plan.strategies); None: all."""
+    clip: bool = True
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the space, predicted."""
+
+    strategy: str
+    """ddp, zero1, zero2, zero3, tp, pp, or hybrid (more than one degree, or HSDP)."""
+    flavour: str
+    """The data-parallel flavour (ddp, zero1, zero2, zero3)."""
+    dims: dict[str, int]
+    """pp, dp_replicate, dp_shard, tp."""
+    micro_batch: int
+    grad_accum: int
+    activation_checkpointing: str
+    precision: str
+    pp_schedule: str
+    microbatches: int
+    bucket_cap_mb: float
+    fits: bool
+    memory_per_device_bytes: float
+    step_time_s: float
+    tokens_per_s: float
+    mfu_pct: float | None
+    scaling_efficiency: float
+    command: str
+    prediction: Prediction = field(repr=False)
+    """The cost model's components (compute, exposed communication, bubble, calls)."""
+
+    @property
+    def degrees(self) -> Degrees:
+        return Degrees(self.dims["dp_replicate"], self.dims["dp_shard"], self.dims["tp"], self.dims["pp"])
+
+    @property
+    def non_trivial(self) -> int:
+        return sum(v > 1 for v in self.dims.values())
+
+    def overrides(self, global_batch: int | None) -> list[str]:
+        """The `run.py` overrides that train exactly this candidate."""
+        out = [f"strategy={self.strategy}"]
+        if self.strategy == "hybrid":
+            out += [f"strategy.{k}={self.dims[k]}" for k in ("dp_replicate", "dp_shard", "tp", "pp")]
+            if self.flavour == "zero2":
+                out.append("strategy.reshard_after_forward=false")
+        out += [] if global_batch is not None else [f"train.micro_batch={self.micro_batch}"]
+        out += [f"train.grad_accum={self.grad_accum}", f"strategy.precision={self.precision}",
+                f"strategy.activation_checkpointing={self.activation_checkpointing}"]
+        if self.dims["pp"] > 1:
+            out += [f"strategy.pp_schedule={self.pp_schedule}", f"strategy.microbatches={self.microbatches}"]
+        if self.flavour in ("ddp", "zero1") and self.dims["dp_replicate"] > 1:
+            out.append(f"strategy.bucket_cap_mb={self.bucket_cap_mb:g}")
+        return out
+
+
+@dataclass(frozen=True)
+class Searched:
+    ranked: list[Candidate]
+    """Every candidate kept (the best per layout and setting), best first: fitting ones first."""
+    evaluated: int
+    """Predictions the search made."""
+
+
+def strategy_name(flavour: str, d: Degrees) -> str:
+    """What a layout is called: a pure strategy when it is one, else hybrid."""
+    if d.tp == 1 and d.pp == 1:
+        return flavour if (d.dp_replicate == 1 or d.dp_shard == 1) else "hybrid"
+    if d.dp == 1 and d.pp == 1:
+        return "tp"
+    if d.dp == 1 and d.tp == 1:
+        return "pp"
+    return "hybrid"
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def layouts(world: int, shape: Shape) -> Iterator[tuple[str, Degrees]]:
+    """Every (flavour, degrees) the model and the implementation allow on `world` devices."""
+    for tp in divisors(world):
+        if tp > 1 and (shape.block_linear_params == 0 or any(size % tp for size in shape.tp_sizes)):
+            continue
+        for pp in divisors(world // tp):
+            if pp > 1 and (not shape.pipeline or pp > shape.layers):
+                continue
+            dp = world // tp // pp
+            for shard in divisors(dp):
+                d = Degrees(dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp)
+                if shard > 1:
+                    yield from (("zero2", d), ("zero3", d))
+                elif d.dp_replicate > 1 and tp == 1:
+                    yield from (("ddp", d), ("zero1", d))
+                else:
+                    # One replica, or replicas of a tensor-parallel model (DDP can't replicate
+                    # DTensors: they go through FSDP's replicate mesh, which holds what DDP does).
+                    yield "ddp", d
+
+
+def batch_splits(space: Space, dp: int) -> list[tuple[int, int]]:
+    """(micro-batch, accumulation) pairs that keep the batch, largest micro-batch first."""
+    if space.global_batch is not None:
+        if space.global_batch % dp:
+            return []
+        per_replica = space.global_batch // dp
+    else:
+        per_replica = space.replica_batch
+    micros = [m for m in divisors(per_replica) if m & (m - 1) == 0 or m == per_replica]
+    return [(m, per_replica // m) for m in sorted(set(micros), reverse=True)]
+
+
+def pipeline_settings(space: Space, d: Degrees, micro: int) -> list[tuple[str, int]]:
+    """(schedule, microbatches) for a pipeline: m in {p, 2p, 4p} dividing the micro-batch."""
+    if d.pp == 1:
+        return [("1f1b", 1)]
+    counts = [m for m in (d.pp, 2 * d.pp, 4 * d.pp) if micro % m == 0] or ([micro] if micro >= 1 else [])
+    return [(schedule, m) for schedule in space.pp_schedules for m in counts]
+
+
+def search(space: Space, shape: Shape, hw: Hardware, tokens_per_sample: int, model_flops_per_sample: float,
+           memory_limit: float, overlap: float,
+           calibration: Calibration | None = None, command_prefix: str = "") -> Searched:
+    """Every candidate's prediction; the best fitting setting of each layout, ranked. A candidate's
+    scaling efficiency is against one device running the same setting."""
+    kept: list[Candidate] = []
+    evaluated = 0
+    for flavour, d in layouts(space.world, shape):
+        name = strategy_name(flavour, d)
+        if space.strategies is not None and name not in space.strategies:
+            continue
+        buckets = space.bucket_caps_mb if flavour in ("ddp", "zero1") and d.dp_replicate > 1 else (25.0,)
+        for variant in space.variants:
+            single = 1.0 / variant.seconds_per_sample
+            for micro, accum in batch_splits(space, d.dp):
+                fitted = False
+                for schedule, m in pipeline_settings(space, d, micro):
+                    # DDP's buckets are a knob of one layout, not layouts of their own: the best one.
+                    best: Candidate | None = None
+                    for bucket in buckets:
+                        w = Workload(shape=shape, micro_batch=micro, grad_accum=accum, microbatches=m,
+                                     mixed=variant.precision != "fp32",
+                                     checkpointing=variant.activation_checkpointing == "full",
+                                     tokens_per_sample=tokens_per_sample,
+                                     activation_bytes_per_sample=variant.activation_bytes_per_sample,
+                                     bucket_cap_bytes=bucket * 1024**2, seconds_per_sample=variant.seconds_per_sample,
+                                     clip=space.clip, pp_schedule=schedule)
+                        if not feasible(shape, d, w):
+                            continue
+                        p = predict_layout(w, hw, flavour, d, memory_limit, overlap, single, calibration, name)
+                        evaluated += 1
+                        if p is None:
+                            continue
+                        c = _candidate(p, flavour, d, w, variant, schedule, bucket, model_flops_per_sample, space,
+                                       command_prefix)
+                        if best is None or (c.fits, c.tokens_per_s) > (best.fits, best.tokens_per_s):
+                            best = c
+                    if best is not None:
+                        kept.append(best)
+                        fitted = fitted or best.fits
+                if fitted:
+                    break  # a smaller micro-batch of this layout and setting can only be slower
+    return Searched(rank(kept), evaluated)
+
+
+def _candidate(p: Prediction, flavour: str, d: Degrees, w: Workload, variant: Variant, schedule: str,
+               bucket: float, model_flops_per_sample: float, space: Space, command_prefix: str) -> Candidate:
+    per_device = p.samples_per_s / d.world
+    candidate = Candidate(
+        strategy=p.strategy, flavour=flavour,
+        dims={"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp},
+        micro_batch=w.micro_batch, grad_accum=w.grad_accum, activation_checkpointing=variant.activation_checkpointing,
+        precision=variant.precision, pp_schedule=schedule, microbatches=w.microbatches, bucket_cap_mb=bucket,
+        fits=p.fits, memory_per_device_bytes=p.memory_per_device_bytes, step_time_s=p.step_time_s,
+        tokens_per_s=p.tokens_per_s,
+        mfu_pct=100 * model_flops_per_sample * per_device / variant.peak_flops if variant.peak_flops else None,
+        scaling_efficiency=p.scaling_efficiency, command="", prediction=p,
+    )
+    command = " ".join(filter(None, ["python run.py", command_prefix, *candidate.overrides(space.global_batch)]))
+    return _with(candidate, command=command)
+
+
+def _with(candidate: Candidate, **changes: object) -> Candidate:
+    import dataclasses
+
+    return dataclasses.replace(candidate, **changes)
+
+
+def _simplicity(c: Candidate) -> tuple:
+    return (c.non_trivial, SIMPLICITY[c.flavour], c.activation_checkpointing != "none", -c.micro_batch,
+            c.dims["tp"], c.dims["pp"], -c.bucket_cap_mb)
+
+
+def rank(candidates: list[Candidate]) -> list[Candidate]:
+    """Fitting candidates first, by predicted tokens/s; within 1 % of a faster one, the simpler
+    layout first. Then the ones that don't fit, by the memory they need."""
+    fitting = sorted((c for c in candidates if c.fits), key=lambda c: -c.tokens_per_s)
+    ordered: list[Candidate] = []
+    while fitting:
+        top = fitting[0].tokens_per_s
+        tied = [c for c in fitting if c.tokens_per_s >= (1 - TIE) * top]
+        best = min(tied, key=_simplicity)
+        ordered.append(best)
+        fitting.remove(best)
+    rest = sorted((c for c in candidates if not c.fits), key=lambda c: c.memory_per_device_bytes)
+    return ordered + rest
+
+
+def closest_miss(ranked: list[Candidate], memory_limit: float) -> str:
+    """When nothing fits: what comes closest, by how much, and what would make it fit."""
+    if not ranked:
+        return "no layout of this world suits the model (check its blocks, plan and the degrees' divisors)"
+    c = min(ranked, key=lambda x: x.memory_per_device_bytes)
+    over = c.memory_per_device_bytes / memory_limit
+    gib = 1024**3
+    return (f"nothing fits: the closest, {c.strategy} {_dims(c)} at micro-batch {c.micro_batch} in {c.precision} "
+            f"with {c.activation_checkpointing} checkpointing, needs {c.memory_per_device_bytes / gib:.1f} GiB per "
+            f"device, {over:.1f}x the {memory_limit / gib:.1f} GiB allowed: give it ~{math.ceil(over)}x the devices, "
+            "a shorter sequence (data.seq_len) or a larger plan.memory_fraction; offloading to the host is not "
+            "something this project does")
+
+
+def _dims(c: Candidate) -> str:
+    return "x".join(f"{k}{v}" for k, v in c.dims.items() if v > 1) or "1 device"
+
+
+def describe(c: Candidate) -> str:
+    """One line of the table of candidates."""
+    gib = 1024**3
+    name = c.strategy if c.strategy != "hybrid" or c.dims["dp_shard"] == 1 else f"hybrid/{c.flavour}"
+    return (f"{name:<12} {_dims(c):<22} mb {c.micro_batch:<3} acc {c.grad_accum:<3} {c.precision:<4} "
+            f"ac {c.activation_checkpointing:<4} {c.memory_per_device_bytes / gib:>8.2f} GiB "
+            f"{c.step_time_s:>9.4f} s {c.tokens_per_s:>12.0f} tok/s "
+            + (f"{c.mfu_pct:>5.1f} % " if c.mfu_pct is not None else "")
+            + ("fits" if c.fits else "does not fit"))
