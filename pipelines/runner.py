@@ -20,9 +20,10 @@ from pipelines.configtools import flatten, to_jsonable
 from pipelines.dag import Dag, Stage, build, stage_inputs
 from pipelines.launchers import Launcher, StageFailed, Task, WorldSpec, make_launcher
 from pipelines.launchers.worker import run_task
+from pipelines.mlflow_ui import compare_run_name, invocation_run_name, training_data
 from pipelines.placement import Placement, diff, from_json, placement_tags, to_json
 from pipelines.progress import StageProgress, progress_file
-from pipelines.redact import redact_mapping, redact_text
+from pipelines.redact import redact_mapping, redact_text, redact_tree
 from pipelines.schema import Config
 from pipelines.tracking import SUMMARY_ARTIFACT, Tracker, git_commit, make_tracker
 from pipelines.validate import keep_contract_facts
@@ -344,12 +345,27 @@ def global_batch(cfg: Config) -> int:
     return cfg.train.micro_batch_for(dp) * cfg.train.grad_accum * dp
 
 
+def requested_layout(cfg: Config) -> str:
+    """What this invocation asked to train: its degrees, micro-batch x accumulation, precision and
+    checkpointing, or `auto` (the plan's recommendation, measured by trials when plan.trials > 0)."""
+    from training.parallel.dims import DIM_NAMES, resolve_dims
+    from training.search import setting_label
+
+    if cfg.strategy.name == "auto":
+        return f"auto, {cfg.plan.trials} trials" if cfg.plan.trials else "auto"
+    dims = resolve_dims(cfg.strategy, cfg.nodes * cfg.procs_per_node)
+    s = cfg.strategy
+    return setting_label({k: getattr(dims, k) for k in DIM_NAMES}, cfg.train.micro_batch_for(dims.dp_size),
+                         cfg.train.grad_accum, s.precision, s.activation_checkpointing)
+
+
 def run_facts(cfg: Config, placement: Placement | None = None) -> dict[str, Any]:
     """What this invocation was, for summary.json's `run` block and a study's rows."""
     return {
         "study": cfg.study,
         "pipeline": cfg.pipeline.name,
         "strategy": cfg.strategy.name,
+        "layout": requested_layout(cfg),
         "nodes": cfg.nodes,
         "procs_per_node": cfg.procs_per_node,
         "world_size": cfg.nodes * cfg.procs_per_node,
@@ -371,21 +387,22 @@ def run_pipeline(cfg: Config, run_dir: Path, echo=print) -> Summary:
     launcher = make_launcher(cfg.launcher, run_dir, WorldSpec(cfg.nodes, cfg.procs_per_node))
     try:
         tracker = make_tracker(cfg.tracking)
-        study_run = tracker.study_run(cfg.study) if cfg.study and cfg.pipeline.name != "compare" else None
     except BaseException:
         launcher.close()
         raise
     keep_contract_facts(cfg)
     world = cfg.nodes * cfg.procs_per_node
     facts = run_facts(cfg)
-    tags = {"kind": "compare" if cfg.pipeline.name == "compare" else "invocation",
-            "calibration_key": calibration_key(cfg, None)}
+    compare = cfg.pipeline.name == "compare"
+    tags = {"kind": "compare" if compare else "invocation", "calibration_key": calibration_key(cfg, None)}
     if cfg.study:
+        # A top-level run tagged with its study, not a child of a study run: MLflow's runs page
+        # and charts show top-level runs, and group them by this tag (pipelines/mlflow_ui.py).
         tags["study"] = cfg.study
-    if study_run:
-        tags["mlflow.parentRunId"] = study_run
+    started = time.time()
     tracker.start(
-        run_dir.name,
+        compare_run_name(cfg.study, started) if compare else
+        invocation_run_name(cfg.strategy.name, world, cfg.model.name, started),
         # strategy / world_size / global_batch as plain params: MLflow's compare view plots
         # scaling efficiency against them.
         params={**redact_mapping(flatten(to_jsonable(cfg))),
@@ -407,6 +424,8 @@ def run_pipeline(cfg: Config, run_dir: Path, echo=print) -> Summary:
         },
     )
     try:
+        if not compare:
+            tracker.log_dataset(training_data(redact_tree(to_jsonable(cfg.data))))
         return Runner(cfg, run_dir, tracker, launcher, echo).run()
     finally:
         launcher.close()

@@ -151,7 +151,7 @@ class LauncherConfig:
 @dataclass(frozen=True)
 class TrackingConfig:
     name: str = "mlflow"
-    """`mlflow` logs one parent run per invocation and one nested run per stage; `none` logs nothing."""
+    """`mlflow` logs one top-level run per invocation and one nested run per stage; `none` logs nothing."""
     uri: str = "sqlite:///outputs/mlflow.db"
     """MLflow tracking URI: a sqlite file (default, no server) or an http(s) server."""
     experiment: str = "scalestudy"
@@ -193,8 +193,8 @@ class Config:
     cache_dir: str = "outputs/cache"
     """Where stage results are stored under their content keys."""
     study: str | None = None
-    """Study id. Invocations with the same id are one study: MLflow runs tagged `study=<id>` under
-    one study parent run, and one study report. A `-m` sweep is a study of its own (id: its sweep
+    """Study id. Invocations with the same id are one study: MLflow runs tagged `study=<id>` (grouped
+    by it in the UI's study view), and one study report. A `-m` sweep is a study of its own (id: its sweep
     dir) unless set. With pipeline=compare: the study id, or an MLflow experiment name, to rebuild
     the study report from."""
     dry_run: bool = False

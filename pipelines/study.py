@@ -4,7 +4,8 @@
 - `summaries_from_sweep` / `summaries_from_mlflow`: every invocation's summary.json, from the
   sweep dir or from the MLflow store it was logged to (pipeline=compare).
 - `StudyReportCallback`: Hydra's multirun callback that writes the study report into the sweep
-  dir when the sweep ends and logs it to the study's MLflow parent run.
+  dir when the sweep ends and records it in MLflow (a `kind=study` run: report and table), then
+  prints the MLflow UI's URL of the study view.
 """
 
 from __future__ import annotations
@@ -99,14 +100,31 @@ def _redacted(uri: str) -> str:
     return redact_text(uri)
 
 
-def log_to_study_run(tracking: TrackingConfig, study: str, folder: Path) -> str:
-    """Log the report folder as artifacts of the study's parent run; its run id."""
+def record_in_mlflow(tracking: TrackingConfig, study: str, folder: Path, rows: list[dict[str, Any]]) -> tuple[str, str]:
+    """Record the study in MLflow (its report folder and its table, pipelines.tracking
+    record_study); the record's run id and its experiment's id."""
     from pipelines.tracking import MlflowTracker
+    from stages.study_report import columns
 
     tracker = MlflowTracker(tracking)
-    run_id = tracker.study_run(study)
-    tracker.client.log_artifacts(run_id, str(folder), artifact_path=REPORT_DIR)
-    return run_id
+    table = {c: [row.get(c) for row in rows] for c in columns(rows)}
+    return tracker.record_study(study, folder, table, REPORT_DIR), tracker.experiment_id
+
+
+def ui_lines(uri: str, experiment_id: str, record_run: str) -> list[str]:
+    """Where to look in MLflow's UI: the study view's charts and table (every study of the
+    experiment, grouped), and this study's report; with a sqlite store, how to serve it first."""
+    from pipelines.mlflow_ui import artifact_url, view_url
+    from pipelines.redact import redact_text
+
+    served = uri.startswith(("http://", "https://"))
+    base = redact_text(uri) if served else "http://127.0.0.1:5000"
+    lines = [f"MLflow UI charts: {view_url(base, experiment_id)}",
+             f"MLflow UI table:  {view_url(base, experiment_id, charts=False)}",
+             f"MLflow UI report: {artifact_url(base, experiment_id, record_run, f'{REPORT_DIR}/report.html')}"]
+    if not served:
+        lines.append(f"  (serve the store first: mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000)")
+    return lines
 
 
 class StudyReportCallback(Callback):
@@ -126,7 +144,7 @@ class StudyReportCallback(Callback):
             source = f"sweep dir {sweep_dir}"
             if config.tracking.name == "mlflow":
                 # The whole study, not just this sweep: `study=<id>` may gather several sweeps,
-                # and the report logged to its parent run must cover them all.
+                # and the report recorded in MLflow must cover them all.
                 try:
                     summaries, source = summaries_from_mlflow(config.tracking.uri, study)
                     runs = [r for r in map(StudyRun.from_summary, summaries) if r is not None]
@@ -137,8 +155,9 @@ class StudyReportCallback(Callback):
             print(f"study report: {sweep_dir / REPORT_DIR / 'report.html'}")
             if config.tracking.name == "mlflow":
                 tracking = TrackingConfig(name="mlflow", uri=config.tracking.uri, experiment=config.tracking.experiment)
-                run_id = log_to_study_run(tracking, study, sweep_dir / REPORT_DIR)
+                run_id, experiment_id = record_in_mlflow(tracking, study, sweep_dir / REPORT_DIR, report.rows)
                 print(f"study {study}: MLflow run {run_id}; rebuild with: python run.py pipeline=compare study={study}")
+                print("\n".join(ui_lines(config.tracking.uri, experiment_id, run_id)))
         except ConfigError as err:
             print(f"error: study report: {err}", file=sys.stderr)
         except Exception as err:  # noqa: BLE001 - the jobs' results stand; say why the report didn't

@@ -1,9 +1,14 @@
-"""Tracking: one MLflow parent run per invocation, one nested run per stage.
+"""Tracking: one top-level MLflow run per invocation, one nested run per stage.
 
 Only the driver talks to MLflow; stages return their metrics inside their results and the engine
 logs them here, buffered into `log_batch` calls (one call per point costs ~3.5 ms on sqlite). A
 cached stage is logged too, tagged `cached=true`, with its stored metrics and artifacts, so every
-run of a sweep is complete in the UI.
+run of a sweep is complete in the UI; the invocation run names its cached stages
+(`cached_stages`), so a number taken from the cache is never mistaken for a fresh one.
+
+Invocations are top-level runs tagged `study=<id>`, not children of a study run: MLflow's runs
+page and chart view show top-level runs only until a parent is expanded (pipelines/mlflow_ui.py).
+A study's own record (its report and table) is a run of its own, `kind=study`.
 """
 
 from __future__ import annotations
@@ -29,13 +34,13 @@ PARAM_MAX = 500
 class Tracker(Protocol):
     run_id: str | None
 
-    def study_run(self, study: str) -> str | None: ...
-
     def history(self, key: str) -> list: ...
 
     def start(self, name: str, params: dict[str, Any], tags: dict[str, str]) -> None: ...
 
     def set_tags(self, tags: dict[str, str]) -> None: ...
+
+    def log_dataset(self, data: dict[str, str]) -> None: ...
 
     def log_stage(
         self,
@@ -55,9 +60,6 @@ class NullTracker:
 
     run_id: str | None = None
 
-    def study_run(self, study: str) -> str | None:
-        return None
-
     def history(self, key: str) -> list:
         return []
 
@@ -65,6 +67,9 @@ class NullTracker:
         pass
 
     def set_tags(self, tags: dict[str, str]) -> None:
+        pass
+
+    def log_dataset(self, data: dict[str, str]) -> None:
         pass
 
     def log_stage(self, stage, status, tags, params, metrics, artifacts) -> None:  # noqa: ANN001
@@ -86,6 +91,9 @@ class MlflowTracker:
 
         self.cfg = cfg
         self.run_id: str | None = None
+        self.cached: list[str] = []
+        """The stages of this invocation served from the cache, in DAG order."""
+        self._last_ms: dict[str, int] = {}
         self.db = db = sqlite_path(cfg.uri)
         if db is not None:
             db.parent.mkdir(parents=True, exist_ok=True)
@@ -93,7 +101,8 @@ class MlflowTracker:
             check_server(cfg.uri)
         with _schema_lock(db):
             # The first client call on a new sqlite file migrates its schema; concurrent first
-            # calls can corrupt it for good (FACTS.md), hence the file lock around it.
+            # calls can corrupt it for good (four drivers starting at once on a new store did, on
+            # this project's CI machine), hence the file lock around it.
             self.client = MlflowClient(tracking_uri=cfg.uri)
             self.experiment_id = self._experiment(db)
 
@@ -103,6 +112,7 @@ class MlflowTracker:
         except Exception as err:  # noqa: BLE001 - any backend failure is the user's URI
             raise ConfigError("tracking.uri", self.cfg.uri, f"is not a reachable MLflow store ({_first_line(err)})") from None
         if found is not None:
+            self._keep_views(found.experiment_id, found.tags)
             return found.experiment_id
         location = (db.parent / "mlartifacts").resolve().as_uri() if db is not None else None
         try:
@@ -111,28 +121,49 @@ class MlflowTracker:
             experiment_id = self.client.get_experiment_by_name(self.cfg.experiment).experiment_id
         # MLflow 3 opens experiments on its GenAI view unless marked as model training.
         self.client.set_experiment_tag(experiment_id, "mlflow.experimentKind", "custom_model_development")
+        self._keep_views(experiment_id, {})
         return experiment_id
 
-    def study_run(self, study: str) -> str:
-        """The study's parent run in this experiment, created by the first invocation that asks.
+    def _keep_views(self, experiment_id: str, tags: dict[str, str]) -> None:
+        """Write the saved views (pipelines/mlflow_ui.py) into the experiment unless they are there
+        as they are: every experiment the tool logs to opens as a study from the URLs it prints,
+        including one created by an older version or whose view a user deleted in the UI."""
+        from pipelines.mlflow_ui import view_tags
 
-        Invocations of a sweep may ask at once: each that created one looks again, and all keep
-        the oldest (ties by run id); a loser deletes its own, so exactly one remains.
-        """
-        with _schema_lock(self.db):  # sqlite: one invocation at a time finds or creates it
-            found = study_runs(self.client, [self.experiment_id], study)
-            if found:
-                return found[0].info.run_id
-            return self._create_study_run(study)
+        for key, value in view_tags().items():
+            if tags.get(key) == value:
+                continue
+            try:
+                self.client.set_experiment_tag(experiment_id, key, value)
+            except Exception:  # noqa: BLE001 - settled by what the store holds now
+                # Invocations that share a server may write the same view at once; one insert
+                # wins. Only a view that is still not there is an error.
+                if self.client.get_experiment(experiment_id).tags.get(key) != value:
+                    raise
 
-    def _create_study_run(self, study: str) -> str:
-        mine = self.client.create_run(self.experiment_id, run_name=f"study {study}",
-                                      tags={"kind": "study", "study": study}).info.run_id
+    def record_study(self, study: str, folder: Path, table: dict[str, list[Any]], under: str) -> str:
+        """The study's record: a `kind=study` run holding its report folder (in `<under>/`) and
+        its table as an MLflow table (`<under>/table.json`, which the artifact viewer shows as a
+        table). A new report replaces the record: this run is created, then older study runs of
+        the same id are deleted (MLflow's log_table appends to an existing table, and a study
+        reported again must show the new rows, not both). Returns the run id."""
+        from mlflow.entities import RunTag
+
+        run = self.client.create_run(self.experiment_id, run_name=f"study {study}",
+                                     tags={"kind": "study", "study": study})
+        mine = run.info.run_id
+        self.client.log_artifacts(mine, str(folder), artifact_path=under)
+        self.client.log_table(mine, data=table, artifact_file=f"{under}/table.json")
+        rows = len(next(iter(table.values()), []))
+        note = (f"Study `{study}`: {rows} points; its invocations are the runs tagged `study = '{study}'`. "
+                f"Report: artifacts `{under}/report.html`; table: `{under}/table.json`.")
+        self.client.log_batch(mine, tags=[RunTag("mlflow.note.content", note)])
         self.client.set_terminated(mine, "FINISHED")
-        winner = study_runs(self.client, [self.experiment_id], study)[0].info.run_id
-        if winner != mine:
-            self.client.delete_run(mine)
-        return winner
+        # Only older ones: two reports written at once keep the newer, never neither.
+        for older in study_runs(self.client, [self.experiment_id], study):
+            if (older.info.start_time, older.info.run_id) < (run.info.start_time, mine):
+                self.client.delete_run(older.info.run_id)
+        return mine
 
     def history(self, key: str) -> list:
         """Measured steps of earlier finished invocations with this calibration key."""
@@ -152,6 +183,27 @@ class MlflowTracker:
         assert self.run_id is not None, "set_tags before start"
         self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
+    def log_dataset(self, data: dict[str, str]) -> None:
+        """Declare what the invocation trains on (pipelines.mlflow_ui.training_data): the runs
+        page's Dataset column shows it, and MLflow can group and filter runs by it."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        assert self.run_id is not None, "log_dataset before start"
+        dataset = Dataset(name=data["name"], digest=data["digest"], source_type=data["source_type"],
+                          source=data["source"])
+        declared = [DatasetInput(dataset, [InputTag("mlflow.data.context", "train")])]
+        for attempt in range(3):
+            try:
+                self.client.log_inputs(self.run_id, datasets=declared)
+                return
+            except Exception:  # noqa: BLE001 - see below
+                # Invocations of one sweep declare the same dataset at once; MLflow looks it up,
+                # then inserts it, so all but one can fail on the unique key. Once it is stored,
+                # the next attempt links the existing one.
+                if attempt == 2:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
+
     def log_stage(self, stage, status, tags, params, metrics, artifacts) -> None:  # noqa: ANN001
         assert self.run_id is not None, "log_stage before start"
         run = self.client.create_run(
@@ -161,17 +213,19 @@ class MlflowTracker:
         )
         child = run.info.run_id
         self._log(child, params=params, metrics=metrics)
-        # Scalars also go on the parent, so runs compare side by side without opening children.
-        # (System metrics are time series of their own, step 0 being just their first sample.)
-        self._log(self.run_id, metrics=[m for m in metrics if m[2] == 0 and "/" in m[0]
-                                        and not m[0].startswith("system/")])
+        self._log(self.run_id, metrics=[m for m in metrics if _on_invocation(m)])
+        if status == "cached":
+            self.cached.append(stage)
         if artifacts is not None and artifacts.is_dir() and any(artifacts.iterdir()):
             self.client.log_artifacts(child, str(artifacts))
         self.client.set_terminated(child, "FINISHED" if status in ("ran", "cached") else "FAILED")
 
     def finish(self, ok: bool, files: list[Path]) -> None:
+        from pipelines.mlflow_ui import CACHED_STAGES_TAG
+
         if self.run_id is None:
             return
+        self.set_tags({CACHED_STAGES_TAG: ",".join(self.cached) or "none"})
         for path in files:
             if path.exists():
                 self.client.log_artifact(self.run_id, str(path))
@@ -180,13 +234,30 @@ class MlflowTracker:
     def _log(self, run_id: str, params: dict[str, Any] | None = None, metrics: list | None = None) -> None:
         from mlflow.entities import Metric, Param
 
-        now = int(time.time() * 1000)
+        # Later calls stamp later, even within a millisecond: where two stages log one key on the
+        # invocation (the plan's predicted memory/peak_gib, then train's measured one), MLflow
+        # shows the latest timestamp, so the stage that ran later in the DAG wins.
+        now = max(int(time.time() * 1000), self._last_ms.get(run_id, 0) + 1)
+        self._last_ms[run_id] = now
         param_list = [Param(_param_key(k), _param_value(v)) for k, v in (params or {}).items()]
         metric_list = [Metric(k, float(v), now, int(s)) for k, v, s in (metrics or []) if math.isfinite(v)]
         for i in range(0, len(param_list), 100):
             self.client.log_batch(run_id, params=param_list[i : i + 100])
         for i in range(0, len(metric_list), BATCH):
             self.client.log_batch(run_id, metrics=metric_list[i : i + BATCH])
+
+
+def _on_invocation(metric: tuple[str, float, int]) -> bool:
+    """Whether a stage's metric is also logged on its invocation run, where runs are compared
+    side by side without opening children: scalars (step 0), and the series whose steps line up
+    across world sizes (pipelines.mlflow_ui.SERIES_ON_INVOCATION). System metrics are time series
+    of their own, step 0 being just their first sample."""
+    from pipelines.mlflow_ui import SERIES_ON_INVOCATION
+
+    key, _, step = metric
+    if key in SERIES_ON_INVOCATION:
+        return True
+    return step == 0 and "/" in key and not key.startswith("system/")
 
 
 def run_summaries(client: Any, runs: list[Any]) -> list[dict[str, Any]]:
@@ -209,7 +280,7 @@ def run_summaries(client: Any, runs: list[Any]) -> list[dict[str, Any]]:
 
 
 def study_runs(client: Any, experiment_ids: list[str], study: str) -> list[Any]:
-    """A study's parent runs, oldest first (one, unless a race is being settled)."""
+    """A study's record runs, oldest first (one, unless a new report is replacing it)."""
     runs = client.search_runs(experiment_ids, f"tags.kind = 'study' AND tags.study = '{study}'",
                               max_results=100)
     return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Debian's Chromium for the study report's browser test (tests/integration/test_study.py).
+# Debian's Chromium for the browser tests: the study report page (tests/integration/test_study.py)
+# and MLflow's own UI (tests/integration/test_mlflow_ui.py).
 # Idempotent: does nothing when /usr/bin/chromium is there. Needs root (apt), as CI has.
 set -euo pipefail
 if command -v chromium >/dev/null 2>&1; then

@@ -8,7 +8,6 @@ import io
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -30,17 +29,7 @@ def run_cli(cwd: Path, *args: str, timeout: float = 600) -> subprocess.Completed
                           timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def study(tmp_path_factory):
-    """One sweep, shared by the tests below: ~1 minute on 2 cores."""
-    tmp = tmp_path_factory.mktemp("study")
-    result = run_cli(tmp, "-m", "strategy=ddp,zero3", "nodes=1,2", "experiment=smoke", "hydra.sweep.dir=sweep")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summaries = [json.loads(p.read_text()) for p in sorted((tmp / "sweep").rglob("summary.json"))]
-    match = re.search(r"^study (\S+): MLflow run (\w+);", result.stdout, re.M)
-    assert match, result.stdout[-2000:]
-    return {"dir": tmp, "stdout": result.stdout, "summaries": summaries, "id": match[1], "study_run": match[2],
-            "uri": f"sqlite:///{tmp}/outputs/mlflow.db"}
+# The sweep itself, `study`, is a session fixture in conftest.py (test_mlflow_ui.py shares it).
 
 
 def table_lines(markdown: str) -> list[str]:
@@ -51,15 +40,17 @@ def table_lines(markdown: str) -> list[str]:
 def test_the_sweep_writes_a_study_report_with_every_plot_and_row(study):
     folder = study["dir"] / "sweep" / "study"
     assert {p.name for p in folder.iterdir()} == PLOTS | {"report.md", "report.html"}
-    rows = table_lines((folder / "report.md").read_text())[2:]
-    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
-    assert {(c[0], int(c[1])) for c in cells} == POINTS
+    lines = table_lines((folder / "report.md").read_text())
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    cells = [dict(zip(head, (c.strip() for c in row.strip("|").split("|")), strict=True)) for row in lines[2:]]
+    assert {(c["strategy"], int(c["nodes"])) for c in cells} == POINTS
     for c in cells:
-        assert c[-1] == "ok"
-        assert float(c[3]) > 0  # samples/s, measured
-        if c[1] == "1":
-            assert float(c[5]) == 1.0  # a world of one is its own baseline
-        assert c[9] != "-", "every run holds the plan's prediction against its measurement"
+        assert c["status"] == "ok"
+        assert float(c["samples/s"]) > 0  # measured
+        if c["nodes"] == "1":
+            assert float(c["efficiency"]) == 1.0  # a world of one is its own baseline
+        assert c["step-time error %"] != "-", "every run holds the plan's prediction against its measurement"
+        assert c["measured rank"] in ("1", "2") and c["plan's rank"] in ("1", "2"), "ddp and zero3 compete per size"
 
 
 @pytest.mark.slow
@@ -73,16 +64,17 @@ def test_the_invocations_are_one_study_and_share_cached_stages(study):
     client = MlflowClient(tracking_uri=study["uri"])
     experiment = client.get_experiment_by_name("scalestudy")
     runs = client.search_runs([experiment.experiment_id], f"tags.study = '{study['id']}'")
-    parents = [r for r in runs if r.data.tags["kind"] == "study"]
+    records = [r for r in runs if r.data.tags["kind"] == "study"]
     invocations = [r for r in runs if r.data.tags["kind"] == "invocation"]
-    assert [r.info.run_id for r in parents] == [study["study_run"]]
+    assert [r.info.run_id for r in records] == [study["study_run"]]
     assert len(invocations) == 4
-    assert {r.data.tags["mlflow.parentRunId"] for r in invocations} == {study["study_run"]}
+    # Top-level runs grouped by their study tag, not children of the study's record (docs/tracking.md).
+    assert not any("mlflow.parentRunId" in r.data.tags for r in invocations)
     # The params MLflow's compare view plots efficiency against.
     assert {(r.data.params["strategy"], int(r.data.params["world_size"])) for r in invocations} == POINTS
     assert all(int(r.data.params["global_batch"]) == 4 * int(r.data.params["world_size"]) for r in invocations)
     logged = {a.path for a in client.list_artifacts(study["study_run"], "study")}
-    assert {"study/report.html", "study/report.md", "study/efficiency.png"} <= logged
+    assert {"study/report.html", "study/report.md", "study/efficiency.png", "study/table.json"} <= logged
 
 
 @pytest.mark.slow
@@ -108,9 +100,9 @@ def test_compare_of_an_unknown_study_is_one_line(study):
 
 def console_messages(page: Path, tmp: Path) -> tuple[str, list[str]]:
     """Load `page` in headless Chromium: (the DOM it built, its console messages)."""
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        pytest.skip("chromium is not installed: run `bash scripts/chromium.sh` (CI's .ci/run does)")
+    from tests.helpers import chromium as browser
+
+    chromium = browser()
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              f"--user-data-dir={tmp / 'chromium-profile'}", "--enable-logging=stderr", "--v=0"]
@@ -198,13 +190,19 @@ def test_calibrate_refines_the_plan_from_the_studys_runs(study):
     assert plan["status"] == "ran", "new history is a new key: the plan is made again"
     cal = plan["result"]["calibration"]
     assert cal["points"] == 4 and set(cal["comm_scale"]) == {"ddp", "zero3"}
-    assert cal["error_after_pct"] < cal["error_before_pct"]
+    assert cal["error_after_pct"] <= cal["error_before_pct"]
     assert any(r.startswith("calibration: 4 earlier runs") for r in plan["result"]["reasons"])
-    measured = next(s["stages"]["train"]["result"]["step_time_s"] for s in study["summaries"]
-                    if s["run"]["strategy"] == "zero3" and s["run"]["nodes"] == 2)
-    p = next(p for p in plan["result"]["predictions"] if p["strategy"] == "zero3" and p["devices"] == 2)
-    raw = p["compute_s"] + p["overhead_s"] + p["exposed_comm_s"] + p["bubble_s"]
-    assert abs(p["step_time_s"] - measured) < abs(raw - measured)
+    # Over the study's four points, the calibrated plan's step times are closer to the measured
+    # ones than the raw model's (the fit is over all four: one point alone may move either way).
+    calibrated_error = raw_error = 0.0
+    for s in study["summaries"]:
+        measured = s["stages"]["train"]["result"]["step_time_s"]
+        p = next(p for p in plan["result"]["predictions"]
+                 if p["strategy"] == s["run"]["strategy"] and p["devices"] == s["run"]["world_size"])
+        raw = p["compute_s"] + p["overhead_s"] + p["exposed_comm_s"] + p["bubble_s"]
+        calibrated_error += ((p["step_time_s"] - measured) / measured) ** 2
+        raw_error += ((raw - measured) / measured) ** 2
+    assert calibrated_error < raw_error
     # No new measurement, the same history: the plan settles and is served from the cache.
     again = run_cli(study["dir"], "experiment=smoke", "strategy=zero3", "nodes=2", "plan.calibrate=true",
                     "only=[plan]", "hydra.run.dir=calibrated-again")
