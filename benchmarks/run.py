@@ -260,7 +260,62 @@ def bench_planner() -> list[Row]:
     return rows
 
 
-BENCHES = [bench_train_loop, bench_tracking, bench_probe, bench_cache, bench_startup, bench_launchers, bench_planner]
+def bench_published() -> list[Row]:
+    """8. The advisor's prediction of published large-scale runs (their layout, shape and cluster) vs the
+    throughput their authors report; the table with sources goes to docs/published.md."""
+    from benchmarks.published import ROWS, check, write_table
+
+    checked = [check(row) for row in ROWS]
+    write_table(checked, ROOT / "docs" / "published.md")
+    return [Row(f"advisor vs published: {c.row.label} (tokens/s per GPU: predicted vs published)", c.predicted,
+                c.row.tokens_per_s_per_gpu, "tokens/s", "within 20 %") for c in checked]
+
+
+ADVISOR_POINTS = {
+    2: ["strategy=ddp", "strategy=zero1", "strategy=zero2", "strategy=zero3", "strategy=tp", "strategy=pp"],
+    4: ["strategy=ddp", "strategy=zero1", "strategy=zero2", "strategy=zero3", "strategy=tp",
+        "strategy=hybrid strategy.pp=2 strategy.dp_replicate=2 strategy.dp_shard=1 strategy.tp=1",
+        "strategy=hybrid strategy.dp_replicate=1 strategy.dp_shard=2 strategy.tp=2 strategy.pp=1",
+        "strategy=hybrid strategy.dp_replicate=2 strategy.dp_shard=1 strategy.tp=2 strategy.pp=1"],
+}
+"""The layouts the advisor's recommendation is measured against, per world size (gpt-tiny's 2
+blocks allow no pp=4; its 4 heads allow tp=4)."""
+
+
+def bench_advisor() -> list[Row]:
+    """9. The advisor's regret: at world 2 and 4 with a fixed global batch, every strategy and the hybrid
+    layouts are trained beside strategy=auto (the plan's recommendation) and strategy=auto
+    plan.trials=3 (the measured best of its three best); regret = the recommendation's measured
+    samples/s / the best measured. The plan's rank beside the measured rank goes to the table."""
+    from stages.study_report import StudyRun, latest_per_point, ranks, regrets, table_rows
+
+    common = ["experiment=smoke", "train.global_batch=16", "train.steps=40", "train.timing_warmup=5",
+              "data.num_samples=1024", "tracking=none", "only=[env,bandwidth,lr_find,plan,trials,train]"]
+    rows, summaries = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world, points in ADVISOR_POINTS.items():
+            chosen = ["strategy=auto", "strategy=auto plan.trials=3 plan.trial_steps=10"]
+            for i, point in enumerate(points + chosen):
+                name = f"w{world}-{i}"
+                _cli(Path(tmp), *common, f"nodes={world}", *point.split(), f"hydra.run.dir={name}")
+                summary = Path(tmp) / name / "summary.json"
+                if summary.exists():
+                    summaries.append(json.loads(summary.read_text()))
+    runs = latest_per_point([r for r in map(StudyRun.from_summary, summaries) if r is not None])
+    ranked = ranks(runs)
+    for run, row in zip(runs, table_rows(runs), strict=True):
+        measured, planned = ranked.get(id(run), (None, None))
+        print(f"   world {run.world_size} {run.strategy} {row['layout']}: {row['samples/s']} samples/s, "
+              f"measured rank {measured}, plan's rank {planned}", flush=True)
+    for regret in regrets(runs):
+        rows.append(Row(f"advisor regret at world {regret.devices}, recommended by the {regret.chosen_by} "
+                        f"({regret.layout}): its measured samples/s vs the best measured ({regret.best_layout})",
+                        regret.samples_per_s, regret.best_samples_per_s, "samples/s", ">= 0.95 with trials"))
+    return rows
+
+
+BENCHES = [bench_train_loop, bench_tracking, bench_probe, bench_cache, bench_startup, bench_launchers, bench_planner,
+           bench_published, bench_advisor]
 
 
 def machine() -> str:

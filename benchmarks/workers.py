@@ -52,11 +52,12 @@ def hand_written_loop(inputs: TrainInputs) -> float:
 def train_vs_hand(inputs: TrainInputs, repeats: int = 5) -> dict:
     """Median samples/s of the train stage and of the hand-written loop, alternating."""
     ours, theirs = [], []
-    plan = SimpleNamespace(flops_per_sample=1.0, recommended=None, prediction_for_run=lambda strategy, world, auto: None)
+    plan = SimpleNamespace(flops_per_sample=1.0, recommended=None, prediction_for_run=lambda strategy, world: None)
     lr_find = SimpleNamespace(suggested_lr=inputs.train.lr, lr_scaling="none", finder_batch=8)
     for _ in range(repeats):
         ckpt = Path(tempfile.mkdtemp())
-        ours.append(train_stage(inputs, plan=plan, lr_find=lr_find, baseline=None, checkpoints=ckpt).samples_per_s)
+        ours.append(train_stage(inputs, plan=plan, lr_find=lr_find, trials=None, baseline=None,
+                                checkpoints=ckpt).samples_per_s)
         theirs.append(hand_written_loop(inputs))
     return {"ours": statistics.median(ours), "theirs": statistics.median(theirs)}
 

@@ -15,7 +15,7 @@ import json
 import statistics
 from typing import Any
 
-from pipelines.configtools import to_jsonable
+from pipelines.configtools import from_dict, to_jsonable
 from pipelines.placement import Placement
 from pipelines.tracking import run_summaries
 from training.costmodel import COSTMODEL_VERSION, MeasuredStep, StepPrediction
@@ -45,18 +45,14 @@ def calibration_key(cfg: Any, placement: Placement | None) -> str:
 
 def measured_step(summary: dict[str, Any]) -> MeasuredStep | None:
     """The train stage's measured step time beside its plan's uncalibrated components, or None."""
-    stages = summary.get("stages", {})
-    train, plan = (stages.get(n) or {} for n in ("train", "plan"))
-    t, p = train.get("result"), plan.get("result")
-    if train.get("status") not in ("ran", "cached") or not t or not p:
+    train = summary.get("stages", {}).get("train") or {}
+    t = train.get("result")
+    if train.get("status") not in ("ran", "cached") or not t:
         return None
-    chosen = p.get("recommended") if t.get("strategy_from_plan") else p.get("requested")
-    match = (chosen or {}).get("prediction")
-    if match is None or match.get("devices") != t["world_size"]:
+    components = (t.get("prediction") or {}).get("components")
+    if components is None:  # the plan made no prediction for this run
         return None
-    predicted = StepPrediction(match["compute_s"], match["exposed_comm_s"], match["bubble_s"], match["overhead_s"],
-                               match["collective_calls"])
-    return MeasuredStep(t["strategy"], t["world_size"], predicted, t["step_time_s"])
+    return MeasuredStep(t["strategy"], t["world_size"], from_dict(StepPrediction, components), t["step_time_s"])
 
 
 HISTORY_REPEATS = 3

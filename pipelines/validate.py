@@ -124,7 +124,8 @@ def _check_degrees(cfg: Config, gpus: int) -> ParallelDims:
         dims = ParallelDims.resolve(**s.degrees(), world_size=cfg.nodes * cfg.procs_per_node)
     except ValueError as err:
         raise ConfigError("strategy", s.name, str(err)) from None
-    if s.precision == "fp16" and gpus == 0:
+    if s.precision == "fp16" and gpus == 0 and cfg.cluster.measured:
+        # A what-if plan of a named cluster runs nothing: fp16 is a fact of the run it describes.
         raise ConfigError("strategy.precision", "fp16", "needs CUDA (loss scaling); use bf16 or fp32 on CPU")
     return dims
 

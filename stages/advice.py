@@ -20,11 +20,11 @@ from training.search import (
     search,
     strategy_name,
 )
+from training.units import GIB
 
 if TYPE_CHECKING:
     from training.anatomy import VariantCost
 
-GIB = 1024**3
 PURE = ("ddp", "zero1", "zero2", "zero3", "tp", "pp")
 
 
@@ -227,18 +227,25 @@ def _short(c: Candidate) -> str:
             f"{c.activation_checkpointing} checkpointing)")
 
 
+def one_device(strategy: StrategyConfig) -> StrategyConfig:
+    """A layout's 1-device baseline: every degree 1 (a hybrid, tp or pp layout trains as plain
+    data parallelism of one), its precision, checkpointing and buckets kept, so that scaling
+    efficiency compares like with like."""
+    name = strategy.name if strategy.name not in ("zero1", "tp", "pp", "hybrid") else "ddp"
+    return dataclasses.replace(strategy, name=name, dp_replicate=1, dp_shard=1, tp=1, pp=1, reshard_after_forward=None)
+
+
 def candidate_settings(c: Candidate, strategy: StrategyConfig, train: TrainConfig,
                        world: int) -> tuple[StrategyConfig, TrainConfig]:
-    """The strategy and train settings that train candidate `c` (what `c.command` sets). On one
-    device (the 1-device baseline) its degrees are all 1 and the rest is kept, so that scaling
-    efficiency compares like with like."""
-    degrees = c.dims if world > 1 else {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1}
-    name = c.strategy if world > 1 or c.strategy not in ("zero1", "tp", "pp", "hybrid") else "ddp"
+    """The strategy and train settings that train candidate `c` (what `c.command` sets); on one
+    device (the 1-device baseline), its `one_device` form."""
+    d = c.dims
     chosen = dataclasses.replace(
-        strategy, name=name, dp_replicate=degrees["dp_replicate"], dp_shard=degrees["dp_shard"], tp=degrees["tp"],
-        pp=degrees["pp"], reshard_after_forward=c.flavour != "zero2" if degrees["dp_shard"] > 1 else None,
+        strategy, name=c.strategy, dp_replicate=d["dp_replicate"], dp_shard=d["dp_shard"], tp=d["tp"], pp=d["pp"],
+        reshard_after_forward=c.flavour != "zero2" if d["dp_shard"] > 1 else None,
         precision=c.precision, activation_checkpointing=c.activation_checkpointing, pp_schedule=c.pp_schedule,
-        microbatches=c.microbatches if degrees["pp"] > 1 else strategy.microbatches, bucket_cap_mb=c.bucket_cap_mb)
+        microbatches=c.microbatches if d["pp"] > 1 else strategy.microbatches, bucket_cap_mb=c.bucket_cap_mb)
+    chosen = chosen if world > 1 else one_device(chosen)
     # With a fixed global batch the micro-batch follows from it; else the candidate's is per replica.
     sized = dataclasses.replace(train, grad_accum=c.grad_accum,
                                 micro_batch=c.micro_batch if train.global_batch is None else train.micro_batch)

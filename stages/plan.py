@@ -47,8 +47,8 @@ from training.costmodel import (
 from training.memory import AuditRow
 from training.parallel.dims import resolve_dims
 from training.search import Candidate, Variant, describe
+from training.units import GIB
 
-GIB = 1024**3
 TIMED_STEPS = 5
 MAX_TIMED_STEPS = 50
 TIMED_BUDGET_S = 1.0
@@ -174,13 +174,12 @@ class PlanResult:
         """A pure strategy's point of the scaling curves."""
         return next((p for p in self.predictions if p.strategy == strategy and p.devices == devices), None)
 
-    def prediction_for_run(self, strategy: str, devices: int, auto: bool) -> Prediction | None:
-        """What the plan predicted for the run that trains `strategy` on `devices`: at the planned
-        world, the requested layout (or the recommendation it trained under strategy=auto);
-        elsewhere (the 1-device baseline) the scaling curve's point."""
+    def prediction_for_run(self, strategy: str, devices: int) -> Prediction | None:
+        """What the plan predicted for a run of the configured `strategy` on `devices`: at the
+        planned world, the requested layout; elsewhere (the 1-device baseline) the scaling curve's
+        point. (Under strategy=auto the train stage holds the run against the candidate it chose.)"""
         if devices == self.world_size:
-            chosen = self.recommended if auto else self.requested
-            return chosen.prediction if chosen is not None else None
+            return self.requested.prediction if self.requested is not None else None
         return self.prediction(strategy if strategy in PURE else "ddp", devices)
 
     def table(self) -> str:

@@ -16,12 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-GIB = 1024**3
-POINT_FACTS = ("pipeline", "strategy", "nodes", "procs_per_node", "world_size", "global_batch", "model", "data",
+from training.units import GIB
+
+POINT_FACTS = ("pipeline", "strategy", "layout", "nodes", "procs_per_node", "world_size", "global_batch", "model", "data",
                "cluster", "launcher", "placement")
 """What makes two invocations the same point of a study (the run block minus ids, seed and time)."""
-COLUMNS = ("strategy", "nodes", "devices", "samples/s", "samples/s/device", "efficiency", "MFU %",
-           "peak GiB/device", "final loss", "step-time error %", "status")
+COLUMNS = ("strategy", "layout", "nodes", "devices", "samples/s", "samples/s/device", "efficiency", "MFU %",
+           "peak GiB/device", "final loss", "step-time error %", "measured rank", "plan's rank", "status")
+CHOSEN_BY = ("you", "plan", "trials")
+"""Who picked a run's layout: the invocation's overrides, the plan's search (strategy=auto), or the
+plan's trials (strategy=auto with plan.trials > 0: the measured fastest of the plan's best)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,10 @@ class StudyRun:
     """Each stage's result (None where it produced none)."""
     facts: dict[str, Any] = field(default_factory=dict, repr=False)
     """The run block's POINT_FACTS: runs with equal facts are one point of the study."""
+    layout: str = ""
+    """What trained (degrees, micro-batch x accumulation, precision, checkpointing), else what was asked."""
+    chosen_by: str = "you"
+    """One of CHOSEN_BY."""
 
     @classmethod
     def from_summary(cls, data: dict[str, Any]) -> StudyRun | None:
@@ -55,6 +63,8 @@ class StudyRun:
         stages = {name: s.get("result") for name, s in data.get("stages", {}).items()}
         failed = next((n for n, s in data.get("stages", {}).items() if s.get("status") == "failed"), None)
         train = stages.get("train") or {}
+        trials = stages.get("trials") or {}
+        chosen_by = "you" if not train.get("strategy_from_plan") else "trials" if trials.get("chosen") else "plan"
         return cls(
             strategy=train.get("strategy") or run["strategy"],
             nodes=int(run["nodes"]),
@@ -66,11 +76,32 @@ class StudyRun:
             mlflow_run_id=data.get("mlflow_run_id"),
             stages=stages,
             facts={k: run.get(k) for k in POINT_FACTS},
+            layout=trained_layout(train) or str(run.get("layout") or ""),
+            chosen_by=chosen_by,
         )
 
     @property
     def train(self) -> dict[str, Any] | None:
         return self.stages.get("train")
+
+
+def trained_layout(train: dict[str, Any]) -> str | None:
+    """The train result's layout in the words of the plan's candidates (None: nothing trained)."""
+    from training.search import setting_label
+
+    if not train.get("dims"):
+        return None
+    dims = dict(zip(("dp_replicate", "dp_shard", "tp", "pp"), train["dims"], strict=True))
+    return setting_label(dims, train["micro_batch"], train["grad_accum"], train["precision"],
+                         train["activation_checkpointing"])
+
+
+def candidate_layout(candidate: dict[str, Any]) -> str:
+    """A plan candidate (summary.json's `recommended`, `candidates`) in the same words."""
+    from training.search import setting_label
+
+    return setting_label(candidate["dims"], candidate["micro_batch"], candidate["grad_accum"], candidate["precision"],
+                         candidate["activation_checkpointing"])
 
 
 def latest_per_point(runs: list[StudyRun]) -> list[StudyRun]:
@@ -97,16 +128,83 @@ def varying_facts(runs: list[StudyRun]) -> list[str]:
             if any(len({repr(r.facts.get(k)) for r in group}) > 1 for group in groups.values())]
 
 
+def contest(run: StudyRun) -> str:
+    """Runs with equal contests compete: the same model, data, devices, global batch and cluster,
+    differing only in how they were laid out (the facts other than strategy and layout)."""
+    return repr(sorted((k, v) for k, v in run.facts.items() if k not in ("strategy", "layout")))
+
+
+def _rank(values: dict[int, float | None]) -> dict[int, int | None]:
+    """1 for the highest value; None where a value is missing."""
+    known = sorted((v for v in values.values() if v is not None), reverse=True)
+    return {k: None if v is None else known.index(v) + 1 for k, v in values.items()}
+
+
+def ranks(runs: list[StudyRun]) -> dict[int, tuple[int | None, int | None]]:
+    """id(run) -> (measured rank, the plan's rank) within its contest: by measured samples/s, and by
+    the samples/s the run's own plan predicted for what it trained. Trained runs only."""
+    out: dict[int, tuple[int | None, int | None]] = {}
+    contests: dict[str, list[StudyRun]] = {}
+    for run in runs:
+        if run.train:
+            contests.setdefault(contest(run), []).append(run)
+    for group in contests.values():
+        measured = _rank({id(r): r.train.get("samples_per_s") for r in group})
+        planned = _rank({id(r): (r.train.get("prediction") or {}).get("samples_per_s") for r in group})
+        out.update({id(r): (measured[id(r)], planned[id(r)]) for r in group})
+    return out
+
+
+@dataclass(frozen=True)
+class Regret:
+    """How far the plan's recommendation, as measured, is from the best layout measured beside it."""
+
+    devices: int
+    chosen_by: str
+    """plan (the search alone) or trials (the measured best of the plan's top candidates)."""
+    layout: str
+    samples_per_s: float
+    best_layout: str
+    best_samples_per_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.samples_per_s / self.best_samples_per_s
+
+    def line(self) -> str:
+        return (f"regret at {self.devices} devices, recommended by the {self.chosen_by}: {self.layout} measured "
+                f"{self.samples_per_s:.4g} samples/s, the best measured ({self.best_layout}) {self.best_samples_per_s:.4g}:"
+                f" {self.ratio:.3f} of the best, regret {100 * (1 - self.ratio):.1f} %")
+
+
+def regrets(runs: list[StudyRun]) -> list[Regret]:
+    """One per contest and chooser, for contests holding a run the plan chose (strategy=auto)."""
+    contests: dict[str, list[StudyRun]] = {}
+    for run in runs:
+        if run.train and run.train.get("samples_per_s"):
+            contests.setdefault(contest(run), []).append(run)
+    out = []
+    for group in contests.values():
+        best = max(group, key=lambda r: r.train["samples_per_s"])
+        for chosen in sorted((r for r in group if r.chosen_by != "you"), key=lambda r: CHOSEN_BY.index(r.chosen_by)):
+            out.append(Regret(chosen.world_size, chosen.chosen_by, chosen.layout, chosen.train["samples_per_s"],
+                              f"{best.strategy} {best.layout}", best.train["samples_per_s"]))
+    return out
+
+
 def table_rows(runs: list[StudyRun]) -> list[dict[str, Any]]:
     """The study table: strategy x nodes -> the numbers users compare (plus a `variant` column
     when runs differ in more than strategy and size)."""
     rows = []
-    varying = varying_facts(runs)
+    varying = [k for k in varying_facts(runs) if k != "layout"]  # the layout has its own column
+    ranked = ranks(runs)
     for run in runs:
         t = run.train or {}
         prediction = t.get("prediction") or {}
+        measured_rank, plan_rank = ranked.get(id(run), (None, None))
         rows.append({
             "strategy": run.strategy,
+            "layout": run.layout + ("" if run.chosen_by == "you" else f" (by the {run.chosen_by})"),
             "nodes": run.nodes,
             "devices": run.world_size,
             "samples/s": t.get("samples_per_s"),
@@ -116,6 +214,8 @@ def table_rows(runs: list[StudyRun]) -> list[dict[str, Any]]:
             "peak GiB/device": t["peak_memory_bytes"] / GIB if "peak_memory_bytes" in t else None,
             "final loss": t.get("final_loss"),
             "step-time error %": prediction.get("step_time_error_pct"),
+            "measured rank": measured_rank,
+            "plan's rank": plan_rank,
             "status": run.status,
         })
         if varying:
@@ -376,6 +476,9 @@ def write_study_report(runs: list[StudyRun], out: Path, study: str, source: str)
 def _notes(runs: list[StudyRun]) -> list[str]:
     notes = ["Efficiency is each run's samples/s over devices x its own 1-device baseline's; "
              "step-time error is (measured - predicted) / measured against the plan of that run."]
+    notes += ["Measured rank and the plan's rank order the runs that compete (same model, data, devices and "
+              "global batch) by measured samples/s and by the samples/s each run's plan predicted for it."]
+    notes += [r.line() + "." for r in regrets(runs)]
     failed = [r for r in runs if r.status != "ok"]
     if failed:
         notes.append("Not complete: " + ", ".join(f"{r.strategy} x{r.world_size} ({r.status})" for r in failed) + ".")

@@ -13,25 +13,26 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from stages.advice import candidate_settings
+from stages.advice import candidate_settings, one_device
 from stages.common import log, progress, workbench
 from stages.lr_find import LrFindResult
 from stages.plan import PlanResult
 from stages.trials import TrialsResult
 from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig
-from training.data import GlobalBatches, first_samples, loader
+from training.costmodel import StepPrediction
 from training.dist import gather_objects, rank, world_size
-from training.flops import peak_flops
 from training.lr_finder import scale_lr
 from training.memory import StepProbe
-from training.models import tokens_per_sample
 from training.profile import StepProfiler, TimeSplit
+from training.search import Candidate
 from training.sysmetrics import SystemSample, SystemSampler, node_id, sample_metrics
+from training.units import GIB
 
-GIB = 1024**3
+if TYPE_CHECKING:
+    import torch
+
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,11 @@ class TrainInputs:
 
 @dataclass(frozen=True)
 class PredictionCheck:
-    """The plan's prediction for this strategy and world, against what this run measured."""
+    """The plan's prediction for what this run trained (the requested layout, or under
+    strategy=auto the recommendation or trials' choice), against what this run measured."""
 
+    components: StepPrediction
+    """The step time's uncalibrated parts: what calibration (plan.calibrate) fits to this run."""
     step_time_s: float
     samples_per_s: float
     scaling_efficiency: float
@@ -62,13 +66,16 @@ def _error_pct(measured: float, predicted: float) -> float:
     return 100.0 * (measured - predicted) / measured if measured else float("nan")
 
 
-def check_prediction(plan: PlanResult, strategy: str, world: int, step_time_s: float, samples_per_s: float,
-                     efficiency: float, memory_bytes: float, auto: bool = False) -> PredictionCheck | None:
-    """Hold the run against the plan's prediction for it (None when the plan made none)."""
-    predicted = plan.prediction_for_run(strategy, world, auto)
+def check_prediction(plan: PlanResult, chosen: Candidate | None, strategy: str, world: int, step_time_s: float,
+                     samples_per_s: float, efficiency: float, memory_bytes: float) -> PredictionCheck | None:
+    """Hold the run against the plan's prediction for it: the chosen candidate's when strategy=auto
+    chose one, else the plan's for `strategy` on `world` (None when the plan made none)."""
+    predicted = chosen.prediction if chosen is not None else plan.prediction_for_run(strategy, world)
     if predicted is None:
         return None
     return PredictionCheck(
+        components=StepPrediction(predicted.compute_s, predicted.exposed_comm_s, predicted.bubble_s,
+                                  predicted.overhead_s, predicted.collective_calls),
         step_time_s=predicted.step_time_s,
         samples_per_s=predicted.samples_per_s,
         scaling_efficiency=predicted.scaling_efficiency,
@@ -204,14 +211,15 @@ def parameter_digest(model: torch.nn.Module) -> str:
 
 
 def resolve_strategy(strategy: StrategyConfig, train: TrainConfig, plan: PlanResult, trials: TrialsResult | None,
-                     world: int) -> tuple[StrategyConfig, TrainConfig, bool]:
+                     world: int) -> tuple[StrategyConfig, TrainConfig, Candidate | None]:
     """`auto` becomes the plan's whole recommendation (the measured best when trials ran): its
     degrees, data-parallel flavour, micro-batch and accumulation, precision, checkpointing, pipeline
-    schedule and buckets, and says so. Anything but auto is kept as configured."""
+    schedule and buckets, returned with the candidate. Anything but auto is kept as configured; on
+    one device (the 1-device baseline), in its one-device form."""
     chosen = trials.chosen if trials is not None and trials.chosen is not None else plan.recommended
     if strategy.name != "auto" or chosen is None:
-        return strategy, train, False
-    return (*candidate_settings(chosen, strategy, train, world), True)
+        return (strategy if world > 1 else one_device(strategy)), train, None
+    return (*candidate_settings(chosen, strategy, train, world), chosen)
 
 
 def learning_rate(t: TrainConfig, lr_find: LrFindResult, global_batch: int) -> tuple[float, str]:
@@ -227,12 +235,17 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
         baseline: TrainResult | None, checkpoints: Path) -> TrainResult:
     # Here, not at the top: FSDP, pipelining and dynamo cost ~1 s to import, and the driver
     # imports this module for TrainResult on every invocation, a fully cached one included.
+    import torch
+
     from training import checkpoint
+    from training.data import GlobalBatches, first_samples, loader
+    from training.flops import peak_flops
     from training.loop import lr_lambda, train_loop
+    from training.models import tokens_per_sample
     from training.parallel.compose import build_optimizer, parallelize
 
     t = cfg.train
-    strategy, t, auto = resolve_strategy(cfg.strategy, cfg.train, plan, trials, world_size())
+    strategy, t, chosen = resolve_strategy(cfg.strategy, cfg.train, plan, trials, world_size())
     bench = workbench(cfg.model, cfg.data, cfg.seed)
     tokens = tokens_per_sample(first_samples(bench.dataset, 1))
     parallel = parallelize(bench.model, bench.spec, strategy, bench.dev, bench.loss)
@@ -283,7 +296,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     system = [x for node in gather_objects(sampler.samples if sampling else []) for x in node]
     return TrainResult(
         strategy=strategy.name,
-        strategy_from_plan=auto,
+        strategy_from_plan=chosen is not None,
         dims=[dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp],
         precision=strategy.precision,
         activation_checkpointing=strategy.activation_checkpointing,
@@ -316,8 +329,8 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
         device=str(bench.dev),
         bucket_allreduce_ms=parallel.bucket_timer.ms if parallel.bucket_timer is not None else [],
         time_split=profiler.split if profiler is not None else [],
-        prediction=check_prediction(plan, strategy.name, world, step_time, samples_per_s, efficiency,
-                                    memory.peak_bytes, auto),
+        prediction=check_prediction(plan, chosen, strategy.name, world, step_time, samples_per_s, efficiency,
+                                    memory.peak_bytes),
         system=system,
         ranks_in_sync=all(len({d for s, d in digests if s == k}) == 1 for k in {s for s, _ in digests}),
     )

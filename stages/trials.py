@@ -2,7 +2,8 @@
 
 With plan.trials=K, the K best fitting candidates of the plan's search are each trained for
 plan.trial_steps steps on the current launcher's world (the same training step and loop as train,
-the first two steps untimed), and the one with the highest measured throughput is the
+the first two steps untimed), twice, in the order A B C then C B A, and the one with the highest
+measured throughput is the
 recommendation strategy=auto trains. The measurements also refit the cost model's calibration (how
 far off it was for these very layouts on these very workers), reported beside them. A candidate
 that does not run (out of memory, say) is reported as such and left out.
@@ -23,6 +24,10 @@ from training.costmodel import Calibration, MeasuredStep, StepPrediction, fit_ca
 from training.search import Candidate
 
 UNTIMED = 2
+ROUNDS = 2
+"""Each candidate is measured in two rounds, in the order A B C then C B A, and its step time is
+the mean of its two medians: a host whose speed drifts while the trials run (another job on a
+shared machine, a GPU warming up) then moves every candidate alike instead of favouring the first."""
 
 
 @dataclass(frozen=True)
@@ -77,17 +82,28 @@ def run(cfg: TrialsInputs, *, plan: PlanResult, lr_find: LrFindResult) -> Trials
     from training.dist import all_reduce_max, world_size
 
     picked = [c for c in plan.candidates if c.fits][: cfg.plan.trials]
+    rounds: dict[int, list[float]] = {i: [] for i in range(len(picked))}
+    errors: dict[int, str] = {}
+    for r in range(ROUNDS):
+        for i in range(len(picked)) if r % 2 == 0 else reversed(range(len(picked))):
+            if i in errors:
+                continue
+            candidate = picked[i]
+            progress("trials", f"round {r + 1}/{ROUNDS}, trial {i + 1}/{len(picked)}: "
+                               f"{candidate.command.split(' strategy=', 1)[-1]}")
+            try:
+                rounds[i].append(all_reduce_max(_measure(cfg, candidate, lr_find, world_size())))
+            except RuntimeError as err:  # an out-of-memory or a layout the workers refuse: reported, skipped
+                if "out of memory" not in str(err).lower():
+                    raise
+                errors[i] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     trials = []
-    for i, candidate in enumerate(picked, 1):
-        progress("trials", f"trial {i}/{len(picked)}: {candidate.command.split(' strategy=', 1)[-1]}")
-        try:
-            step_s = all_reduce_max(_measure(cfg, candidate, lr_find, world_size()))
-            tokens = candidate.tokens_per_s * candidate.step_time_s / step_s
-            trials.append(Trial(candidate, step_s, tokens, None))
-        except RuntimeError as err:  # an out-of-memory or a layout the workers refuse: reported, skipped
-            if "out of memory" not in str(err).lower():
-                raise
-            trials.append(Trial(candidate, None, None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"))
+    for i, candidate in enumerate(picked):
+        if i in errors:
+            trials.append(Trial(candidate, None, None, errors[i]))
+        else:
+            step_s = statistics.mean(rounds[i])
+            trials.append(Trial(candidate, step_s, candidate.tokens_per_s * candidate.step_time_s / step_s, None))
         log("trials", f"{candidate.strategy} {candidate.dims}: {trials[-1].tokens_per_s or trials[-1].error}")
     ran = [t for t in trials if t.step_time_s is not None]
     chosen = max(ran, key=lambda t: t.tokens_per_s).candidate if ran else None

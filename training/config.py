@@ -360,8 +360,8 @@ class PlanConfig:
     trials: int = 0
     """Measure the best this many candidates with short real runs on the current launcher (the
     trials stage) and recommend the fastest measured; 0: the cost model decides alone."""
-    trial_steps: int = 6
-    """Optimizer steps of each trial (the first two are warm-up and not timed)."""
+    trial_steps: int = 10
+    """Optimizer steps of each trial, in each of its two rounds (the first two are warm-up, not timed)."""
     calibrate: bool = False
     """Refine the model's compute and communication terms from earlier runs of the same model and
     batch on the same cluster and launcher, found in MLflow (a study's earlier points included)."""

@@ -32,6 +32,7 @@ from training.costmodel import (
     feasible,
     predict_layout,
 )
+from training.units import GIB
 
 FLAVOURS = ("ddp", "zero1", "zero2", "zero3")
 """How data parallelism holds the model: replicate (ddp), shard the optimizer (zero1), also the
@@ -281,24 +282,29 @@ def closest_miss(ranked: list[Candidate], memory_limit: float) -> str:
         return "no layout of this world suits the model (check its blocks, plan and the degrees' divisors)"
     c = min(ranked, key=lambda x: x.memory_per_device_bytes)
     over = c.memory_per_device_bytes / memory_limit
-    gib = 1024**3
-    return (f"nothing fits: the closest, {c.strategy} {_dims(c)} at micro-batch {c.micro_batch} in {c.precision} "
-            f"with {c.activation_checkpointing} checkpointing, needs {c.memory_per_device_bytes / gib:.1f} GiB per "
-            f"device, {over:.1f}x the {memory_limit / gib:.1f} GiB allowed: give it ~{math.ceil(over)}x the devices, "
+    return (f"nothing fits: the closest, {c.strategy} {dims_label(c.dims)} at micro-batch {c.micro_batch} in {c.precision} "
+            f"with {c.activation_checkpointing} checkpointing, needs {c.memory_per_device_bytes / GIB:.1f} GiB per "
+            f"device, {over:.1f}x the {memory_limit / GIB:.1f} GiB allowed: give it ~{math.ceil(over)}x the devices, "
             "a shorter sequence (data.seq_len) or a larger plan.memory_fraction; offloading to the host is not "
             "something this project does")
 
 
-def _dims(c: Candidate) -> str:
-    return "x".join(f"{k}{v}" for k, v in c.dims.items() if v > 1) or "1 device"
+def dims_label(dims: dict[str, int]) -> str:
+    """The non-trivial degrees, outermost first: `pp2xtp2`, or `1 device`."""
+    return "x".join(f"{k}{dims[k]}" for k in ("pp", "dp_replicate", "dp_shard", "tp") if dims.get(k, 1) > 1) or "1 device"
+
+
+def setting_label(dims: dict[str, int], micro_batch: int, grad_accum: int, precision: str, checkpointing: str) -> str:
+    """A trained or requested point of the space in one phrase (a study's `layout` column)."""
+    return f"{dims_label(dims)}, mb {micro_batch} x {grad_accum}, {precision}, ac {checkpointing}"
 
 
 def describe(c: Candidate) -> str:
     """One line of the table of candidates."""
-    gib = 1024**3
     name = c.strategy if c.strategy != "hybrid" or c.dims["dp_shard"] == 1 else f"hybrid/{c.flavour}"
-    return (f"{name:<12} {_dims(c):<22} mb {c.micro_batch:<3} acc {c.grad_accum:<3} {c.precision:<4} "
-            f"ac {c.activation_checkpointing:<4} {c.memory_per_device_bytes / gib:>8.2f} GiB "
+    layout = dims_label(c.dims) + (f" {c.pp_schedule}/{c.microbatches}" if c.dims["pp"] > 1 else "")
+    return (f"{name:<12} {layout:<22} mb {c.micro_batch:<3} acc {c.grad_accum:<3} {c.precision:<4} "
+            f"ac {c.activation_checkpointing:<4} {c.memory_per_device_bytes / GIB:>8.2f} GiB "
             f"{c.step_time_s:>9.4f} s {c.tokens_per_s:>12.0f} tok/s "
             + (f"{c.mfu_pct:>5.1f} % " if c.mfu_pct is not None else "")
             + ("fits" if c.fits else "does not fit"))

@@ -45,9 +45,9 @@ def train_ddp(inputs: object) -> object:
 
     from stages.train import run
 
-    plan = SimpleNamespace(flops_per_sample=1.0, recommended=None, prediction_for_run=lambda strategy, world, auto: None)
+    plan = SimpleNamespace(flops_per_sample=1.0, recommended=None, prediction_for_run=lambda strategy, world: None)
     lr_find = SimpleNamespace(suggested_lr=1e-2, lr_scaling="none", finder_batch=8)
-    return run(inputs, plan=plan, lr_find=lr_find, baseline=None, checkpoints=Path(tempfile.mkdtemp()))
+    return run(inputs, plan=plan, lr_find=lr_find, trials=None, baseline=None, checkpoints=Path(tempfile.mkdtemp()))
 
 
 def train_any(inputs: object) -> object:
@@ -58,8 +58,9 @@ def train_any(inputs: object) -> object:
     from stages.train import run
 
     inputs, ckpt = inputs
-    plan = SimpleNamespace(flops_per_sample=1.0, recommended=None, prediction_for_run=lambda strategy, world, auto: None)
-    return run(inputs, plan=plan, lr_find=SimpleNamespace(suggested_lr=1e-2, lr_scaling="none", finder_batch=8), baseline=None, checkpoints=Path(ckpt))
+    plan = SimpleNamespace(flops_per_sample=1.0, recommended=None, prediction_for_run=lambda strategy, world: None)
+    lr_find = SimpleNamespace(suggested_lr=1e-2, lr_scaling="none", finder_batch=8)
+    return run(inputs, plan=plan, lr_find=lr_find, trials=None, baseline=None, checkpoints=Path(ckpt))
 
 
 def train_crash_once(inputs: object) -> object:

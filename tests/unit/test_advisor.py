@@ -10,8 +10,7 @@ import pytest
 
 from stages.plan import PlanInputs, whatif
 from training.search import Candidate
-
-GIB = 1024**3
+from training.units import GIB
 
 
 def plan_inputs(compose_cfg, *overrides: str) -> PlanInputs:
@@ -112,3 +111,32 @@ def test_the_search_for_70b_on_1024_devices_takes_seconds(compose_cfg):
     assert result.world_size == 1024 and result.recommended.fits
     assert seen["s"] < 10, f"the search took {seen['s']:.1f} s"
     assert search  # the module the plan searches with
+
+
+def test_published_megatron_run_is_predicted_within_20_percent():
+    """Narayanan et al. 2021, Table 1's first row (GPT 1.7B on 32 A100s, data parallel, fp16 with full
+    recomputation, 137 TFLOP/s per GPU): the what-if predicts its throughput, and the recommendation
+    is at least as fast and fits. benchmarks/published.py holds the other rows."""
+    from benchmarks.published import ROWS, check
+
+    got = check(ROWS[0])
+    assert got.fits and 0.8 <= got.ratio <= 1.2, got
+    assert got.recommended_fits and got.recommended >= got.predicted
+
+
+def test_an_explicit_layouts_1_device_baseline_is_its_one_device_form():
+    """`strategy=hybrid strategy.pp=2 strategy.dp_replicate=2 nodes=4` is measured against one
+    device training the same micro-batch, precision and checkpointing with every degree 1."""
+    from types import SimpleNamespace
+
+    from stages.train import resolve_strategy
+    from training.config import StrategyConfig, TrainConfig
+
+    hybrid = StrategyConfig(name="hybrid", pp=2, dp_replicate=2, dp_shard=1, tp=1, precision="bf16",
+                            activation_checkpointing="full")
+    plan = SimpleNamespace(recommended=None)
+    at_four, _, _ = resolve_strategy(hybrid, TrainConfig(), plan, None, 4)
+    assert at_four == hybrid
+    alone, _, chosen = resolve_strategy(hybrid, TrainConfig(), plan, None, 1)
+    assert chosen is None and alone.name == "ddp" and alone.degrees() == dict(dp_replicate=1, dp_shard=1, tp=1, pp=1)
+    assert (alone.precision, alone.activation_checkpointing) == ("bf16", "full")

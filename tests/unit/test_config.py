@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pipelines.cli import UserError, precheck, split_argv, sweep_points
@@ -98,3 +100,15 @@ def test_hydra_flags_are_not_overrides():
 def test_config_error_names_the_full_key():
     err = ConfigError("steps", 0, "must be an integer >= 1").prefixed("train")
     assert str(err) == "train.steps=0: must be an integer >= 1"
+
+
+MODEL_PRESETS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "model").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", [p for p in MODEL_PRESETS if p != "custom"])
+def test_every_model_preset_builds(compose_cfg, preset):
+    """Each shipped model file names fields its factory accepts (a library upgrade that renames one,
+    as transformers 5 did with rope_theta, fails here rather than in a user's plan)."""
+    data = ["data=blobs"] if preset == "mlp" else []  # the MLP's input width is the blobs' feature count
+    cfg = compose_cfg(f"model={preset}", *data, "pipeline=plan", "cluster=h100-80g-ndr", "tracking=none")
+    assert cfg.model.name == preset

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stages.study_report import StudyRun, latest_per_point, table_rows, table_text
+from stages.study_report import StudyRun, latest_per_point, regrets, table_rows, table_text
 
 
 def summary(strategy: str, nodes: int, finished_at: float, ok: bool = True, samples_per_s: float = 100.0) -> dict:
@@ -66,3 +66,45 @@ def test_the_same_point_measured_on_two_placements_is_two_variants():
     rows = table_rows(latest_per_point([StudyRun.from_summary(local), StudyRun.from_summary(cluster)]))
     assert [(r["variant"], r["samples/s"]) for r in rows] == [("placement=local@d5458a0f4b0b", 100.0),
                                                               ("placement=slurm@77aa01c2e3f4", 400.0)]
+
+
+def trained(strategy: str, measured: float, predicted: float, layout: str, by: str = "you",
+            dims: tuple[int, int, int, int] = (2, 1, 1, 1), micro: int = 4) -> dict:
+    """A world-2 run at global batch 8 that trained `dims` (dp_replicate, dp_shard, tp, pp)."""
+    s = summary(strategy, 2, 1.0, samples_per_s=measured)
+    s["run"]["layout"] = layout
+    s["stages"]["train"]["result"].update(dims=list(dims), micro_batch=micro, grad_accum=1, precision="fp32",
+                                          activation_checkpointing="none", strategy_from_plan=by != "you",
+                                          prediction={"samples_per_s": predicted, "step_time_error_pct": 1.0})
+    if by == "trials":
+        s["stages"]["trials"] = {"status": "ran", "result": {"chosen": {"strategy": strategy}}}
+    return s
+
+
+def test_runs_that_compete_are_ranked_measured_and_by_their_plan_and_the_recommendation_has_a_regret():
+    runs = latest_per_point([StudyRun.from_summary(s) for s in (
+        trained("ddp", 100.0, 90.0, "explicit ddp"),
+        trained("zero3", 80.0, 95.0, "explicit zero3", dims=(1, 2, 1, 1)),
+        trained("zero3", 82.0, 95.0, "auto", by="plan", dims=(1, 2, 1, 1)),
+        trained("ddp", 99.0, 90.0, "auto, 2 trials", by="trials"),
+    )])
+    rows = {(r["strategy"], r["layout"]): r for r in table_rows(runs)}
+    assert len(rows) == 4, "an auto run is its own point beside the explicit run of the same strategy"
+    ddp, zero3 = rows["ddp", "dp_replicate2, mb 4 x 1, fp32, ac none"], rows["zero3", "dp_shard2, mb 4 x 1, fp32, ac none"]
+    assert (ddp["measured rank"], ddp["plan's rank"]) == (1, 3)  # plan ranks both zero3 runs first (95 > 90)
+    assert (zero3["measured rank"], zero3["plan's rank"]) == (4, 1)
+    assert rows["zero3", "dp_shard2, mb 4 x 1, fp32, ac none (by the plan)"]["measured rank"] == 3
+    plan, trials = regrets(runs)
+    assert (plan.chosen_by, plan.ratio) == ("plan", 0.82) and plan.best_samples_per_s == 100.0
+    assert (trials.chosen_by, trials.ratio) == ("trials", 0.99)
+    assert "regret 18.0 %" in plan.line()
+
+
+def test_runs_of_different_sizes_do_not_compete():
+    small, large = trained("ddp", 100.0, 90.0, "a"), trained("ddp", 150.0, 90.0, "a")
+    large["run"].update(nodes=4, world_size=4, global_batch=16)
+    auto = trained("ddp", 50.0, 90.0, "auto", by="plan")
+    rows = table_rows(latest_per_point([StudyRun.from_summary(s) for s in (small, large, auto)]))
+    assert [(r["devices"], r["measured rank"]) for r in rows] == [(2, 1), (2, 2), (4, 1)]
+    (regret,) = regrets(latest_per_point([StudyRun.from_summary(s) for s in (small, large, auto)]))
+    assert regret.ratio == 0.5 and regret.devices == 2

@@ -1,0 +1,186 @@
+"""The advisor against published large-scale training runs.
+
+Each row is a published configuration: the model's shape, the cluster, the layout and batch that
+ran, and the throughput its authors report. The what-if plan (`pipeline=plan`, the model built at
+that shape on the meta device) predicts the published layout as its `requested` candidate, and its
+own recommendation beside it. `write_table` puts the comparison, with every source, in
+docs/published.md; `make bench` prints the same rows.
+
+What the model does not know, and which rows therefore lean on it: interleaved pipeline schedules
+(virtual stages shrink the bubble), sequence and context parallelism, communication overlapped
+inside tensor parallelism, selective recomputation (rows that used it run here with full
+recomputation), fused kernels and torch.compile. And its compute term is one number per cluster,
+`achievable_mfu` (0.4 in every preset): a run that reached a higher or lower fraction of the peak is
+off by that ratio before anything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from training.search import Candidate, setting_label
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = "model=gpt-7b"  # the built-in GPT factory; its shape set by the row
+
+
+@dataclass(frozen=True)
+class Published:
+    source: str
+    label: str
+    overrides: tuple[str, ...]
+    """What makes `pipeline=plan` describe the run: model shape, cluster, world, layout, batch."""
+    tokens_per_s_per_gpu: float
+    note: str = ""
+
+
+def gpt(h: int, layers: int, heads: int, vocab: int = 51200, seq: int = 2048) -> tuple[str, ...]:
+    return (GPT, f"model.d_model={h}", f"model.n_layers={layers}", f"model.n_heads={heads}",
+            f"model.vocab_size={vocab}", f"model.seq_len={seq}", "model.ffn_mult=4")
+
+
+def llama(h: int, ffn: int, layers: int, heads: int, kv: int, vocab: int, seq: int) -> tuple[str, ...]:
+    return ("model=hf-llama3-8b", f"model.hidden_size={h}", f"model.intermediate_size={ffn}",
+            f"model.num_hidden_layers={layers}", f"model.num_attention_heads={heads}",
+            f"model.num_key_value_heads={kv}", f"model.vocab_size={vocab}", f"model.max_position_embeddings={seq}",
+            f"data.seq_len={seq}")
+
+
+def megatron(h: int, layers: int, heads: int, t: int, p: int, d: int, mbs: int, gbs: int) -> tuple[str, ...]:
+    """Megatron-LM's layout in this project's terms: a data-parallel replica's share of the global
+    batch is one micro-batch split into gbs/(mbs x d) pipeline microbatches (one accumulation step),
+    or, without a pipeline, mbs-sample micro-batches accumulated."""
+    per_replica = gbs // d
+    layout = [f"strategy.dp_replicate={d}", "strategy.dp_shard=1", f"strategy.tp={t}", f"strategy.pp={p}"]
+    if p > 1:
+        batch = ["train.grad_accum=1", f"strategy.microbatches={per_replica // mbs}", "strategy.pp_schedule=1f1b"]
+    else:
+        batch = [f"train.grad_accum={per_replica // mbs}"]
+    nodes = t * p * d // 8
+    return (*gpt(h, layers, heads), "cluster=a100-80g-ib", f"nodes={nodes}", "strategy=hybrid", *layout,
+            f"train.global_batch={gbs}", *batch, "strategy.precision=fp16", "strategy.activation_checkpointing=full")
+
+
+def fsdp(gpus: int, mbs: int, gbs: int, ac: str, cluster: str) -> tuple[str, ...]:
+    return (f"cluster={cluster}", f"nodes={gpus // 8}", "strategy=zero3", f"train.global_batch={gbs}",
+            f"train.grad_accum={gbs // (mbs * gpus)}", "strategy.precision=bf16", f"strategy.activation_checkpointing={ac}")
+
+
+SC21 = "Narayanan et al. 2021 (SC'21, arXiv 2104.04473), Table 1; MBS from examples/sc21/run_table_1.sh"
+MPT = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (2024-04), H100 80GB, bf16, FSDP"
+MPT_A100 = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (2024-04), A100 80GB, bf16, FSDP"
+IBM = "PyTorch blog 'Maximizing training throughput using PyTorch FSDP' (IBM/Meta, 2024-03), A100 80GB"
+TITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (2024-12), H100, FSDP bf16"
+TITAN_TP = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, vanilla TP, bf16, compile"
+
+ROWS = [
+    Published(SC21, "GPT 1.7B, 32 A100, t1 p1 d32", megatron(2304, 24, 24, 1, 1, 32, 16, 512), 9290,
+              "tokens/s derived from the published 137 TFLOP/s with the paper's Eq. 3 (includes recomputation)"),
+    Published(SC21, "GPT 3.6B, 64 A100, t2 p1 d32", megatron(3072, 30, 32, 2, 1, 32, 16, 512), 4430, "as above"),
+    Published(SC21, "GPT 7.5B, 128 A100, t4 p1 d32", megatron(4096, 36, 32, 4, 1, 32, 16, 512), 2220, "as above"),
+    Published(SC21, "GPT 18.4B, 256 A100, t8 p1 d32", megatron(6144, 40, 48, 8, 1, 32, 8, 1024), 872, "as above"),
+    Published(SC21, "GPT 39.1B, 512 A100, t8 p2 d32", megatron(8192, 48, 64, 8, 2, 32, 4, 1536), 425,
+              "as above; non-interleaved in the script"),
+    Published(MPT, "MPT 7B, 128 H100, FSDP, mbs 6, no AC", (*gpt(4096, 32, 32, 50368), *fsdp(128, 6, 768, "none",
+              "h100-80g-ndr")), 10475),
+    Published(MPT, "MPT 13B, 128 H100, FSDP, mbs 16, AC", (*gpt(5120, 40, 40, 50368), *fsdp(128, 16, 2048, "full",
+              "h100-80g-ndr")), 5080),
+    Published(MPT, "MPT 30B, 128 H100, FSDP, mbs 8, AC", (*gpt(7168, 48, 56, 50368), *fsdp(128, 8, 1024, "full",
+              "h100-80g-ndr")), 2199),
+    Published(MPT, "MPT 70B, 128 H100, FSDP, mbs 8, AC", (*gpt(8192, 80, 64, 50368), *fsdp(128, 8, 1024, "full",
+              "h100-80g-ndr")), 1058),
+    Published(MPT_A100, "MPT 7B, 8 A100, FSDP, mbs 6, no AC", (*gpt(4096, 32, 32, 50368), *fsdp(8, 6, 96, "none",
+              "a100-80g-ib")), 4641),
+    Published(IBM, "Llama 2 7B, 128 A100, FSDP, bs 2, no AC", (*llama(4096, 11008, 32, 32, 32, 32000, 4096),
+              *fsdp(128, 2, 256, "none", "a100-80g-ib")), 3700),
+    Published(IBM, "Llama 2 70B, 128 A100, FSDP, bs 2, full AC", (*llama(8192, 28672, 80, 64, 8, 32000, 4096),
+              *fsdp(128, 2, 256, "full", "a100-80g-ib")), 370),
+    Published(TITAN, "Llama 3.1 8B, 128 H100, FSDP, bs 2", (*llama(4096, 14336, 32, 32, 8, 128256, 8192),
+              *fsdp(128, 2, 256, "full", "h100-80g-ndr")), 5605,
+              "selective recomputation there, full here; H100s at 500 W"),
+    Published(TITAN_TP, "Llama 3 70B, 256 H100, FSDP 32 x TP 8, bs 16", (
+        *llama(8192, 28672, 80, 64, 8, 128256, 8192), "cluster=h100-80g-ndr", "nodes=32", "strategy=hybrid",
+        "strategy.dp_replicate=1", "strategy.dp_shard=32", "strategy.tp=8", "strategy.pp=1", "train.global_batch=512",
+        "train.grad_accum=1", "strategy.precision=bf16", "strategy.activation_checkpointing=full"), 597.3,
+        "torch.compile there; H100s at 500 W"),
+]
+
+
+@dataclass(frozen=True)
+class Checked:
+    row: Published
+    predicted: float
+    """The requested layout's predicted tokens/s per GPU."""
+    fits: bool
+    recommended: float
+    """The recommendation's predicted tokens/s per GPU."""
+    recommended_fits: bool
+    recommendation: str
+    memory_gib: float
+    """The requested layout's predicted memory per device."""
+    published_mfu_pct: float | None
+    """The published throughput as a fraction of the peak, by this project's FLOP count: the rows far
+    off are those whose authors reached well above the presets' achievable_mfu."""
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted / self.row.tokens_per_s_per_gpu
+
+
+def check(row: Published) -> Checked:
+    """The what-if plan of one published run: its requested layout and the recommendation."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from pipelines.configtools import from_dict
+    from pipelines.schema import Config, register
+    from pipelines.validate import resolve
+    from stages.plan import PlanInputs, whatif
+
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        composed = compose(config_name="config", overrides=["pipeline=plan", "tracking=none", *row.overrides])
+    cfg = resolve(from_dict(Config, OmegaConf.to_container(composed, resolve=True)), gpus_per_node=0)
+    inputs = PlanInputs(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(PlanInputs)})
+    result = whatif(inputs)
+    world = result.world_size
+    mine, best = result.requested, result.recommended
+    predicted = mine.tokens_per_s / world
+    published_mfu = None if mine.mfu_pct is None else mine.mfu_pct * row.tokens_per_s_per_gpu / predicted
+    return Checked(row, predicted, mine.fits, best.tokens_per_s / world, best.fits, describe(best),
+                   mine.memory_per_device_bytes / 2**30, published_mfu)
+
+
+def describe(c: Candidate) -> str:
+    setting = setting_label(c.dims, c.micro_batch, c.grad_accum, c.precision, c.activation_checkpointing)
+    return f"{c.strategy} ({c.flavour}) {setting}"
+
+
+def write_table(checked: list[Checked], path: Path) -> None:
+    lines = ["# The advisor against published runs", "",
+             "Generated by `make bench` (benchmarks/published.py); every row's layout is passed to `pipeline=plan` as the",
+             "requested layout, the model built at the published shape on the meta device. `ratio` = predicted /",
+             "published tokens/s per GPU. See docs/advisor.md for what the model does not know.", "",
+             "| run | published tok/s/GPU | published MFU | predicted | ratio | memory/GPU | fits | recommended tok/s/GPU "
+             "| recommendation | source |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---|---|"]
+    for c in checked:
+        mfu = "" if c.published_mfu_pct is None else f"{c.published_mfu_pct:.0f} %"
+        lines.append(f"| {c.row.label} | {c.row.tokens_per_s_per_gpu:,.0f} | {mfu} | {c.predicted:,.0f} | {c.ratio:.2f} | "
+                     f"{c.memory_gib:.1f} GiB | {'yes' if c.fits else 'no'} | {c.recommended:,.0f} | `{c.recommendation}` | {c.row.source}"
+                     f"{'; ' + c.row.note if c.row.note else ''} |")
+    within = sum(0.8 <= c.ratio <= 1.2 for c in checked)
+    lines += ["", f"{within} of {len(checked)} published layouts predicted within 20 %; the recommendation is "
+              f"predicted at least as fast and fitting in {sum(c.recommended >= c.predicted and c.recommended_fits for c in checked)}."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    results = [check(row) for row in ROWS]
+    write_table(results, ROOT / "docs" / "published.md")
+    for c in results:
+        print(f"{c.row.label}: predicted {c.predicted:.0f} vs published {c.row.tokens_per_s_per_gpu:.0f} "
+              f"tokens/s/GPU, ratio {c.ratio:.2f}", file=sys.stdout)
