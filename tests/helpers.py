@@ -1,10 +1,17 @@
-"""Run a function on N real gloo ranks through the project's own local launcher."""
+"""Run a function on N real gloo ranks through the project's own local launcher; the services some
+tests need (a Slurm cluster, Chromium), skipped loudly where they are missing and required on CI."""
 
 from __future__ import annotations
 
+import functools
+import os
+import shutil
+import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+import pytest
 
 from pipelines.launchers.base import Task, WorldSpec
 from pipelines.launchers.local import LocalLauncher
@@ -27,3 +34,43 @@ def asked_statuses(summary: dict) -> dict[str, str]:
     (trials, with plan.trials=0: skipped by design, not by failure)."""
     return {name: s["status"] for name, s in summary["stages"].items()
             if not (s["status"] == "skipped" and (s.get("error") or "").startswith("not asked for"))}
+
+
+ON_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+"""CI's .ci/run starts a Slurm cluster and installs Chromium: there a missing one is a failure."""
+SLURM_UP = "bash scripts/slurm-local.sh up"
+CHROMIUM_INSTALL = "bash scripts/chromium.sh"
+
+
+def unavailable(service: str, problem: str, fix: str) -> NoReturn:
+    """Skip the calling test loudly on a developer's or user's machine; fail it on CI, where a
+    service that did not start is a broken CI, not ten quiet skips."""
+    if ON_CI:
+        pytest.fail(f"{service} is required on CI (CI=true), but {problem}; .ci/run starts it with `{fix}`",
+                    pytrace=False)
+    pytest.skip(f"{service.upper()} TESTS SKIPPED: {problem}; run `{fix}`")
+
+
+@functools.cache
+def slurm_problem() -> str | None:
+    """Why the Slurm tests cannot run here, or None when a cluster with usable nodes answers."""
+    if shutil.which("sbatch") is None:
+        return "sbatch is not on the PATH (no Slurm client installed)"
+    probe = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0 or not ({"idle", "mix", "alloc"} & set(probe.stdout.split())):
+        return f"no Slurm cluster with usable nodes answers ({probe.stderr.strip() or probe.stdout.strip()})"
+    return None
+
+
+def need_slurm() -> None:
+    problem = slurm_problem()
+    if problem is not None:
+        unavailable("Slurm", problem, SLURM_UP)
+
+
+def chromium() -> str:
+    """The headless browser's path (the browser tests need it)."""
+    path = shutil.which("chromium")
+    if path is None:
+        unavailable("Chromium", "chromium is not installed", CHROMIUM_INSTALL)
+    return path

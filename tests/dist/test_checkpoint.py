@@ -12,14 +12,14 @@ from training.config import StrategyConfig
 STEPS, EVERY, KILL = 10, 4, 6
 
 
-def crash_then_resume(tmp_path, first: StrategyConfig, second: StrategyConfig):
+def crash_then_resume(tmp_path, first: StrategyConfig, second: StrategyConfig, world: int = 2):
     ckpt, marker = tmp_path / "ckpt", tmp_path / "killed"
     with pytest.raises(StageFailed, match="rank 1 was killed by SIGKILL"):
         inputs = (train_inputs(first, steps=STEPS, ckpt_every=EVERY), str(ckpt), str(marker), KILL)
         run_world("tests.dist.workers:train_crash_once", inputs, world=2)
     assert marker.exists() and (ckpt / "latest.json").exists()
     inputs = (train_inputs(second, steps=STEPS, ckpt_every=EVERY), str(ckpt), str(marker), KILL)
-    return run_world("tests.dist.workers:train_crash_once", inputs, world=2)
+    return run_world("tests.dist.workers:train_crash_once", inputs, world=world)
 
 
 def uninterrupted(tmp_path, strategy: StrategyConfig):
@@ -44,6 +44,17 @@ def test_a_ddp_checkpoint_resumes_under_zero3(tmp_path):
     resumed = crash_then_resume(tmp_path, StrategyConfig(name="ddp"), StrategyConfig(name="zero3"))
     clean = uninterrupted(tmp_path, StrategyConfig(name="ddp"))
     assert resumed.resumed_from == EVERY and resumed.strategy == "zero3"
+    assert resumed.losses == pytest.approx(clean.losses, **TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp", "zero3"])
+def test_a_checkpoint_from_two_ranks_resumes_on_four(tmp_path, name):
+    """DCP reshards: the same global batch of 8 on 4 ranks goes on as the 2-rank run would have."""
+    strategy = StrategyConfig(name=name)
+    resumed = crash_then_resume(tmp_path, strategy, strategy, world=4)
+    clean = uninterrupted(tmp_path, strategy)
+    assert resumed.resumed_from == EVERY and resumed.world_size == 4 and resumed.micro_batch == 2
     assert resumed.losses == pytest.approx(clean.losses, **TOL)
 
 

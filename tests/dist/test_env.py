@@ -34,8 +34,9 @@ def test_two_ranks_on_two_emulated_nodes_are_consistent() -> None:
 
 @pytest.mark.slow
 def test_a_rank_with_another_torch_stops_the_stage() -> None:
-    with pytest.raises(StageFailed, match="torch"):
+    with pytest.raises(StageFailed, match=r"FleetMismatch: env: ranks disagree on torch") as failed:
         run_world("tests.dist.env_workers:torch_differs_on_rank1", EnvInputs(EnvConfig()), world=2)
+    assert "0.0.0+planted" in str(failed.value) and "env: to fix, give every rank the same torch" in str(failed.value)
 
 
 def test_without_a_process_group_the_world_is_this_process() -> None:

@@ -69,13 +69,25 @@ def test_mlp_matches_one_process(name):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "degrees",
-    [dict(dp_shard=2, tp=2), dict(dp_shard=2, pp=2), dict(dp_replicate=2, dp_shard=1, pp=2)],
-    ids=["fsdp2xtp2", "fsdp2xpp2", "ddp2xpp2"],
+    [dict(dp_shard=2, tp=2), dict(dp_shard=2, pp=2), dict(dp_replicate=2, dp_shard=1, pp=2),
+     dict(dp_replicate=2, dp_shard=2)],
+    ids=["fsdp2xtp2", "fsdp2xpp2", "ddp2xpp2", "hsdp2x2"],
 )
 def test_hybrid_on_four_ranks_matches_one_process(degrees):
     result = run(StrategyConfig(name="hybrid", **degrees), 4)
     assert result.losses == pytest.approx(reference().losses, **TOL)
     assert result.ranks_in_sync
+    assert result.dims == [degrees.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "pp")]
+
+
+@pytest.mark.slow
+def test_hsdp_shards_within_a_replica_and_replicates_across():
+    """HSDP (dp_replicate=2 x dp_shard=2): each rank holds half of the parameters, gradients and
+    optimizer state (its replica's shard), as zero3 at world 2 does, not the quarter of zero3 at 4."""
+    hsdp = run(StrategyConfig(name="hybrid", dp_replicate=2, dp_shard=2), 4)
+    zero3 = run(WORLD2["zero3"], 2)
+    assert (hsdp.param_bytes, hsdp.grad_bytes, hsdp.optim_bytes) == (zero3.param_bytes, zero3.grad_bytes,
+                                                                     zero3.optim_bytes)
 
 
 def test_accumulation_matches_the_larger_micro_batch_under_fsdp():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_slurm import CLUSTER_UP, PROBLEM
+from tests.helpers import ON_CI, SLURM_UP, need_slurm, slurm_problem, unavailable
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,9 +45,12 @@ def statuses(summary: dict) -> dict[str, str]:
 def test_each_launcher_measures_for_itself_then_is_served_from_its_own_results(tmp_path, ray_home):
     """local, then Ray, then Slurm, one cache: each first invocation runs env, bandwidth and train on
     its own workers; each second one is fully cached; nothing measured on one is served to another."""
-    if PROBLEM is not None:
-        print(f"\n!!! the Slurm leg of this test is SKIPPED: {PROBLEM}; run `{CLUSTER_UP}` !!!", file=sys.stderr)
-    order = ["local", "ray"] + (["slurm"] if PROBLEM is None else [])
+    problem = slurm_problem()
+    if problem is not None:
+        if ON_CI:
+            unavailable("Slurm", problem, SLURM_UP)
+        print(f"\n!!! the Slurm leg of this test is SKIPPED: {problem}; run `{SLURM_UP}` !!!", file=sys.stderr)
+    order = ["local", "ray"] + (["slurm"] if problem is None else [])
     keys: dict[str, dict[str, str]] = {}
     for launcher in order:
         args = [f"launcher={launcher}", f"cache_dir={tmp_path / 'cache'}"]
@@ -73,8 +76,8 @@ def test_a_ray_invocation_runs_every_stage_on_one_worker_group(tmp_path, ray_hom
     assert statuses(summary) == dict.fromkeys(WORKER_STAGES, "ran")
 
 
-@pytest.mark.skipif(PROBLEM is not None, reason=f"SLURM TESTS SKIPPED: {PROBLEM}; run `{CLUSTER_UP}`")
 def test_a_slurm_invocation_is_one_allocation_and_every_stage_a_step_on_its_nodes(tmp_path):
+    need_slurm()
     from tests.integration.test_slurm import steps_of
 
     summary = invoke(tmp_path, {}, "slurm", "launcher=slurm", "launcher.poll_s=0.3")
@@ -91,8 +94,8 @@ def test_a_slurm_invocation_is_one_allocation_and_every_stage_a_step_on_its_node
     assert summary["placement"]["hosts"] == ["node1", "node2"]
 
 
-@pytest.mark.skipif(PROBLEM is not None, reason=f"SLURM TESTS SKIPPED: {PROBLEM}; run `{CLUSTER_UP}`")
 def test_each_point_of_a_study_on_slurm_is_one_allocation(tmp_path):
+    need_slurm()
     result = subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", "strategy=ddp,zero3", "experiment=smoke",
                              "tracking=none", "only=[train]", "launcher=slurm", "launcher.poll_s=0.3",
                              "hydra.sweep.dir=sweep"], cwd=tmp_path, capture_output=True, text=True, timeout=900)

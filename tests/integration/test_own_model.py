@@ -149,10 +149,10 @@ def test_a_bad_declaration_is_one_line_before_any_rank_starts(project, tmp_path,
 def test_the_users_model_through_ray_and_slurm(project, tmp_path, launcher):
     """zero3 at world 2 on the cluster launchers: every stage runs on the user's model there, with
     the same losses as launcher=local."""
-    from tests.integration.test_slurm import CLUSTER_UP, PROBLEM
+    from tests.helpers import need_slurm
 
-    if launcher == "slurm" and PROBLEM is not None:
-        pytest.skip(f"SLURM TESTS SKIPPED: {PROBLEM}; run `{CLUSTER_UP}`")
+    if launcher == "slurm":
+        need_slurm()
     common = ["--config-dir", "conf", "model=my_vit", "data=my_images", "strategy=zero3", "nodes=2", "tracking=none",
               "train.global_batch=8", "lr_find.batch=4", "train.steps=10", "bandwidth.max_bytes=65536",
               f"cache_dir={tmp_path / 'cache'}"]

@@ -4,6 +4,8 @@ summary.json, MLflow's parent and nested runs, and one-line errors for bad input
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 STAGES = ["env", "bandwidth", "lr_find", "plan", "trials", "train", "report"]
 ASKED = [s for s in STAGES if s != "trials"]  # plan.trials=0: the trials stage is not asked for
 SMOKE = ["experiment=smoke"]
+PEAK = "train.peak_flops=1e11"
+"""A device peak for MFU (CPUs list none)."""
+# gpt-tiny (vocab 256, width 64, 2 blocks, 4 heads, 64 positions) on smoke's 32-token samples:
+# 6 FLOPs per parameter per token outside the embeddings (135,808 parameters, 20,480 of them token
+# and position embeddings), plus attention's 12 x blocks x width x tokens^2.
+GPT_TINY_FLOPS_PER_SAMPLE = 6 * (135_808 - 20_480) * 32 + 12 * 2 * 64 * 32 * 32
 
 
 def run_cli(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -32,8 +40,8 @@ def summary_of(run_dir: Path) -> dict:
 def workspace(tmp_path_factory):
     """One smoke run then an identical second run, in a fresh working directory."""
     cwd = tmp_path_factory.mktemp("e2e")
-    first = run_cli(cwd, *SMOKE, "hydra.run.dir=runs/first")
-    second = run_cli(cwd, *SMOKE, "hydra.run.dir=runs/second")
+    first = run_cli(cwd, *SMOKE, PEAK, "hydra.run.dir=runs/first")
+    second = run_cli(cwd, *SMOKE, PEAK, "hydra.run.dir=runs/second")
     return cwd, first, second
 
 
@@ -69,12 +77,26 @@ def test_first_run_runs_every_stage(workspace):
     predictions = stage["plan"]["result"]["predictions"]
     assert predictions and all(fields <= set(p) for p in predictions)
     assert {p["devices"] for p in predictions} >= {1, 2, 1024}
-    # Every run is held against its prediction; on a shared 2-core machine only a generous bound holds.
+    assert train["flops_per_sample"] == pytest.approx(GPT_TINY_FLOPS_PER_SAMPLE, rel=0.02)
+    assert train["mfu_pct"] == pytest.approx(100 * train["flops_per_sample"] * train["samples_per_s_per_device"] / 1e11)
+    # Every run is held against its prediction: memory to the README's 10 %; step time, on a shared
+    # 2-core host where identical runs differ by a third, to within 2x (a 4x error fails).
     check = train["prediction"]
-    assert abs(check["memory_error_pct"]) < 50
-    assert 0.2 < check["step_time_s"] / train["step_time_s"] < 5
-    for name in ("report.md", "lr_find.png", "busbw.png", "loss.png"):
-        assert (cwd / "runs/first/report" / name).stat().st_size > 0
+    assert abs(check["memory_error_pct"]) < 10
+    assert 0.5 < check["step_time_s"] / train["step_time_s"] < 2
+    report = cwd / "runs/first/report"
+    text = (report / "report.md").read_text()
+    facts = dict(re.findall(r"^\| ([^|]+?) \| ([^|]+?) \|$", text.split("## Plan")[0], re.M))
+    assert facts["strategy"] == "ddp" and facts["world size"] == "2 (2 nodes)"
+    assert facts["global batch"] == "8 (4 x 1 accumulation x 2)"
+    assert facts["scaling efficiency"] == f"{train['scaling_efficiency']:.3f}"
+    assert facts["MFU"] == f"{train['mfu_pct']:.1f} %"
+    assert facts["loss"].endswith(f"-> {train['final_loss']:.4f} in 8 steps")
+    assert facts["learning rate"] == f"{train['lr']:.3e} from {train['lr_source']}"
+    assert f"Recommended strategy: **{stage['plan']['result']['recommended_strategy']}**" in text
+    assert f"run it: {stage['plan']['result']['recommended']['command']}" in text
+    for plot in ("lr_find.png", "busbw.png", "loss.png"):
+        assert f"![{plot}]({plot})" in text and (report / plot).stat().st_size > 1000
 
 
 def train_batch(summary: dict) -> int:
@@ -113,8 +135,9 @@ def test_mlflow_holds_a_parent_and_six_nested_runs_per_invocation(workspace):
     summary = summary_of(cwd / "runs/second")
     second = client.get_run(summary["mlflow_run_id"])
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == second.info.run_id]
-    assert {c.data.tags["cached"] for c in children} == {"true"}
-    assert all(c.data.metrics for c in children if c.data.tags["stage"] != "report")
+    asked = [c for c in children if c.data.tags["stage"] in ASKED]
+    assert len(asked) == len(ASKED) and {c.data.tags["cached"] for c in asked} == {"true"}
+    assert all(c.data.metrics for c in asked if c.data.tags["stage"] != "report")
 
 
 def test_bad_override_is_one_line_and_writes_nothing(tmp_path):
@@ -123,6 +146,17 @@ def test_bad_override_is_one_line_and_writes_nothing(tmp_path):
     assert result.stderr.strip().splitlines() == ["error: nodes=0: must be an integer >= 1"]
     assert "Traceback" not in result.stdout + result.stderr
     assert not (tmp_path / "outputs").exists(), "nothing launched, nothing written"
+
+
+@pytest.mark.parametrize("multirun", [False, True])
+def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path, multirun):
+    (tmp_path / "taken").write_text("a file where the run dir's parent would be")
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    result = run_cli(tmp_path, *(["-m"] if multirun else []), f"{key}={tmp_path}/taken/run")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {key}={tmp_path}/taken/run: cannot be created: {tmp_path}/taken is a file, not a directory"]
+    assert not (tmp_path / "outputs").exists()
 
 
 def test_unknown_option_lists_the_valid_ones(tmp_path):
@@ -201,14 +235,24 @@ def test_a_killed_driver_takes_its_workers_and_the_rerun_completes(tmp_path, sig
     driver = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args, "hydra.run.dir=killed"], cwd=tmp_path,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in driver.stdout:
-        if line.startswith("[5/6] train:") and "..." in line:
+        if re.match(r"\[\d+/\d+\] train: .*\.\.\.$", line):
             break
     time.sleep(4)  # the baseline, then the 2-rank run, are under way
     children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(driver.pid)], capture_output=True, text=True)
     workers = [int(pid) for pid in children.stdout.split()]
     assert workers, "the driver had started its workers"
     driver.send_signal(getattr(signal, signame))
-    driver.wait(timeout=60)
+    rest = driver.communicate(timeout=60)[0]
+    # The exit-code contract: 130 on Ctrl-C, the interruption written to summary.json; a
+    # terminated or killed driver ends by its signal (nothing to write, nothing half-written).
+    if signame == "SIGINT":
+        assert driver.returncode == 130, rest[-2000:]
+        assert rest.strip().endswith("interrupted")
+        stages = summary_of(tmp_path / "killed")["stages"]
+        assert stages["train"] == {**stages["train"], "status": "failed", "error": "interrupted (Ctrl-C)"}
+        assert stages["report"]["error"] == "interrupted (Ctrl-C)"
+    else:
+        assert driver.returncode == -getattr(signal, signame)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(_alive(pid) for pid in workers):
         time.sleep(0.2)
@@ -254,3 +298,42 @@ def test_four_invocations_at_once_share_outputs_and_the_sqlite_store(tmp_path):
     assert parents == {summary_of(tmp_path / f"run{seed}")["mlflow_run_id"] for seed in range(4)}
     entries = list((tmp_path / "outputs/cache/lr_find").iterdir())
     assert len(entries) == 4 and all((e / "entry.json").exists() for e in entries)
+
+
+PLANTED = '''
+import os
+import torch
+from torch import nn
+
+
+class Fails(nn.Module):
+    """A model that builds and passes the contract checks in the driver, then fails on a worker."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(32, 8)  # the blobs: 32 features, 8 classes
+
+    def forward(self, x):
+        if "RANK" in os.environ:
+            raise RuntimeError("planted failure on a worker")
+        return self.linear(x)
+'''
+
+
+@pytest.mark.slow
+def test_a_failing_stage_exits_1_and_the_summary_says_which_and_why(tmp_path):
+    (tmp_path / "planted.py").write_text(PLANTED)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # Not experiment=smoke: it shortens data.seq_len, which the blobs take no part in.
+    result = subprocess.run([sys.executable, str(ROOT / "run.py"), "model=custom", "model._target_=planted.Fails",
+                             "data=blobs", "data.num_samples=256", "bandwidth.max_bytes=65536", "lr_find.num_iters=5",
+                             "train.steps=4", "train.timing_warmup=1", "tracking=none", "hydra.run.dir=run"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = summary_of(tmp_path / "run")
+    assert summary["ok"] is False
+    failed = {n: s["error"] for n, s in summary["stages"].items() if s["status"] == "failed"}
+    assert list(failed) == ["lr_find"] and "planted failure on a worker" in failed["lr_find"]
+    assert summary["stages"]["plan"]["error"] == "upstream stage lr_find failed"
+    assert summary["stages"]["train"]["status"] == "skipped"
+    assert summary["stages"]["env"]["status"] == "ran", "stages that do not need it still ran"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -21,30 +20,20 @@ from pipelines.launchers.base import StageFailed, Task, WorldSpec
 from pipelines.launchers.local import LocalLauncher
 from pipelines.schema import LauncherConfig
 from tests.dist.test_strategies import TOL, train_inputs
-from tests.helpers import asked_statuses
+from tests.helpers import ON_CI, SLURM_UP, asked_statuses, need_slurm, slurm_problem
 from training.config import EnvConfig, StrategyConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-CLUSTER_UP = "bash scripts/slurm-local.sh up"
-
-
-def _cluster_problem() -> str | None:
-    """Why the Slurm tests cannot run here, or None when a cluster answers."""
-    if shutil.which("sbatch") is None:
-        return "sbatch is not on the PATH (no Slurm client installed)"
-    probe = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
-    if probe.returncode != 0 or not ({"idle", "mix", "alloc"} & set(probe.stdout.split())):
-        return f"no Slurm cluster with usable nodes answers ({probe.stderr.strip() or probe.stdout.strip()})"
-    return None
-
-
-PROBLEM = _cluster_problem()
+PROBLEM = slurm_problem()
 if PROBLEM is not None:
-    print(f"\n!!! SKIPPING the Slurm tests: {PROBLEM}; start one with `{CLUSTER_UP}` !!!", file=sys.stderr)
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(PROBLEM is not None, reason=f"SLURM TESTS SKIPPED: {PROBLEM}; run `{CLUSTER_UP}`"),
-]
+    print(f"\n!!! {'FAILING' if ON_CI else 'SKIPPING'} the Slurm tests: {PROBLEM}; start one with `{SLURM_UP}` !!!",
+          file=sys.stderr)
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _slurm_cluster() -> None:
+    need_slurm()
 
 
 @pytest.fixture

@@ -64,6 +64,21 @@ def test_the_shape_measured_from_the_module_is_the_hand_count(shape):
     assert anatomy.tokens_per_sample == seq
 
 
+def test_the_mlps_flops_are_the_hand_count():
+    """Per sample: 2 FLOPs per weight forward, 2 for its gradient, 2 for the gradient of its input,
+    except the first layer's (the data needs none)."""
+    from training.data import blobs
+
+    widths = [32, 256, 256, 256, 8]
+    cfg = ModelConfig(target="training.models.mlp.build", kwargs=dict(in_features=32, hidden=256, depth=3,
+                                                                         num_classes=8))
+    model = build_model(cfg, seed=0)
+    batch = first_samples(blobs(16, 32, 8, 0), 4)
+    anatomy = measure_anatomy(model, model_spec(model, cfg), model_loss(cfg), batch)
+    weights = sum(a * b for a, b in zip(widths, widths[1:], strict=False))
+    assert anatomy.flops_per_sample == 6 * weights - 2 * widths[0] * widths[1]
+
+
 def test_the_meta_device_measures_what_the_cpu_measures():
     on_meta, _ = gpt(meta=True)
     on_cpu, _ = gpt(meta=False)

@@ -47,3 +47,66 @@ def test_64_rank_hsdp_with_tp():
 def test_impossible_degrees_name_both_numbers():
     with pytest.raises(ValueError, match="= 12, but the world size is 8"):
         plan_layout(SMALL, StrategyConfig(name="hybrid", dp_shard=3, tp=4), 8)
+
+
+def holdings(model_cfg: ModelConfig, strategy: StrategyConfig, world: int, rank: int,
+             stage_ranks: int) -> dict[str, tuple[int, float]]:
+    """What `rank` holds, built as in the dry run: parameter name -> (elements held locally, ranks
+    of its stage holding the same elements). A DTensor is replicated over the mesh dimensions whose
+    placement is Replicate, and over the stage's ranks outside its mesh (an embedding sharded by
+    FSDP alone is whole on each tp rank); a plain tensor on every rank of the stage."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from training.models import build_model, model_loss
+    from training.models.spec import model_spec
+    from training.parallel.compose import parallelize
+
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        with torch.device("meta"):
+            model = build_model(model_cfg, seed=0)
+        parallel = parallelize(model, model_spec(model, model_cfg), strategy, torch.device("cpu"),
+                               model_loss(model_cfg), layout_only=True)
+        out = {}
+        for name, p in parallel.model.named_parameters():
+            if isinstance(p, DTensor):
+                copies = stage_ranks / p.device_mesh.size()
+                for size, placement in zip(p.device_mesh.shape, p.placements, strict=True):
+                    copies *= size if isinstance(placement, Replicate) else 1
+                out[name] = (p.to_local().numel(), copies)
+            else:
+                out[name] = (p.numel(), stage_ranks)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_3d_layout_holds_every_parameter_exactly_once():
+    """pp 2 x dp_shard 2 x tp 2 on 8 ranks, every rank built: each parameter lives in one pipeline
+    stage, and its stage's 4 ranks hold its elements exactly once (counting the copies its
+    placements declare, e.g. a LayerNorm replicated over tp)."""
+    import torch
+
+    from training.models import build_model
+
+    with torch.device("meta"):
+        full = {n: p.numel() for n, p in build_model(SMALL, seed=0).named_parameters()}
+    strategy = StrategyConfig(name="hybrid", dp_shard=2, tp=2, pp=2)
+    ranks = [holdings(SMALL, strategy, 8, r, stage_ranks=4) for r in range(8)]
+    stages = [set(ranks[0]), set(ranks[4])]  # ranks 0-3 hold stage 0, ranks 4-7 stage 1
+    assert all(set(ranks[r]) == stages[r // 4] for r in range(8))
+    assert not stages[0] & stages[1] and stages[0] | stages[1] == set(full)
+    for name, numel in full.items():
+        stage = 0 if name in stages[0] else 1
+        held = [ranks[r][name] for r in range(4 * stage, 4 * stage + 4)]
+        assert sum(local / copies for local, copies in held) == numel, name
+        if copies_of(held) == 1:  # a block linear, split by tp and sharded by FSDP: a quarter each
+            assert {local for local, _ in held} == {numel // 4}, name
+    assert sum(copies_of([ranks[0][n]]) == 1 for n in stages[0]) >= 6 * 4, "every block linear of stage 0 is split"
+
+
+def copies_of(held: list[tuple[int, float]]) -> float:
+    return held[0][1]

@@ -123,7 +123,8 @@ def test_cache_entry_is_complete_or_absent(toy_cfg, tmp_path):
     assert len(entries) == 1 and not entries[0].name.startswith(".tmp")
     value = toy_cfg.seed + toy_cfg.lr_find.num_iters + toy_cfg.train.steps
     assert json.loads((entries[0] / "entry.json").read_text())["metrics"] == [["toy/value", float(value), 0]]
-    assert (entries[0] / "artifacts" / "note.txt").exists()
+    # The stage's own file, written while it ran, is kept with its result: the middle stage's value.
+    assert (entries[0] / "artifacts" / "note.txt").read_text() == f"{toy_cfg.seed + toy_cfg.lr_find.num_iters}\n"
 
 
 def test_summary_table_holds_the_first_line_of_a_long_error():

@@ -9,13 +9,13 @@ import torch
 
 from training import envinfo
 from training.envinfo import (
-    GIB,
     check_requirements,
     collect_local,
     find_mismatches,
     mismatch_table,
     parse_ibstat,
 )
+from training.units import GIB
 
 
 def rank(i: int, **changes: Any) -> dict[str, Any]:
