@@ -9,6 +9,7 @@ nothing is launched or written.
 from __future__ import annotations
 
 import itertools
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,7 @@ def precheck(argv: list[str]) -> None:
         points = sweep_points(overrides) if multirun else [overrides]
     except Exception as err:  # noqa: BLE001 - Hydra's parser errors are user errors
         raise UserError(one_line(err)) from None
+    output_dir(overrides, multirun)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for point in points:
             own = [o for o in point if not re.match(r"^[+~]*hydra[./]", o) or o.startswith("hydra.searchpath=")]
@@ -107,6 +109,26 @@ def precheck(argv: list[str]) -> None:
                 raise UserError(str(err)) from None
             except Exception as err:  # noqa: BLE001 - composition errors are user errors
                 raise UserError(one_line(err)) from None
+
+
+DEFAULT_DIRS = {"hydra.run.dir": "outputs/runs", "hydra.sweep.dir": "outputs/multirun"}
+"""conf/config.yaml's run and sweep directories, up to their first interpolated part."""
+
+
+def output_dir(overrides: list[str], multirun: bool) -> None:
+    """The directory Hydra will create for this invocation can be created: else one line naming
+    the key, before Hydra tries (its failure is a traceback) and before anything is written."""
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    given = next((o.split("=", 1)[1] for o in reversed(overrides) if o.split("=", 1)[0].lstrip("+") == key), None)
+    value = given if given is not None else DEFAULT_DIRS[key]
+    path = Path(value.split("${", 1)[0] or ".").expanduser()
+    probe = path if path.is_absolute() else Path.cwd() / path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"{key}={value}: cannot be created: {probe} is a file, not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"{key}={value}: cannot be created: {probe} is not writable")
 
 
 def one_line(err: BaseException) -> str:

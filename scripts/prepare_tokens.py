@@ -25,6 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from training.files import atomic_file, write_atomic  # noqa: E402
+
 UINT16_VOCAB = 2**16
 
 
@@ -66,19 +69,14 @@ def write_tokens(out: Path, files: list[Path], encode: Callable[[str], list[int]
     if dtype == "uint16" and vocab > UINT16_VOCAB:
         raise ValueError(f"--dtype uint16 holds ids below {UINT16_VOCAB}, but the vocabulary has {vocab}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     count = 0
-    with open(tmp, "wb") as handle:
+    with atomic_file(out) as tmp, open(tmp, "wb") as handle:
         for path in files:
             ids = np.asarray(encode(path.read_text(encoding="utf-8", errors="replace")), dtype=dtype)
             ids.tofile(handle)
             count += len(ids)
-    os.replace(tmp, out)
     meta = {"dtype": dtype, "vocab_size": vocab, "tokens": count, "documents": len(files), "tokenizer": source}
-    meta_path = out.with_name(out.name + ".json")
-    meta_tmp = meta_path.with_name(f"{meta_path.name}.tmp{os.getpid()}")
-    meta_tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(meta_tmp, meta_path)
+    write_atomic(out.with_name(out.name + ".json"), json.dumps(meta, indent=1))
     return meta
 
 

@@ -12,8 +12,7 @@ from stages.plan import PlanResult
 from stages.train import TrainResult
 from training.memory import audit_table
 from training.profile import split_table
-
-GIB = 1024**3
+from training.units import GIB
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from training.dist import device as current_device
 from training.dist import synchronize
+
+if TYPE_CHECKING:
+    import torch
 
 ELEMENT_BYTES = 4
 """float32, as nccl-tests' default data type."""
@@ -91,6 +92,9 @@ class Measurement:
 def _operation(collective: str, count: int, world: int, dev: torch.device) -> Callable[[], object]:
     """A zero-argument call that runs `collective` once on `count` elements, reusing buffers
     allocated here so that the timed loop allocates nothing."""
+    import torch
+    import torch.distributed as dist
+
     # Zeros stay finite under repeated sums; garbage from torch.empty could hold denormals,
     # which slow the CPU reduction down and would be measured as a slow link.
     full = torch.zeros(count, dtype=torch.float32, device=dev)
@@ -112,6 +116,9 @@ def _operation(collective: str, count: int, world: int, dev: torch.device) -> Ca
 def measure(collective: str, nbytes: int, warmup_iters: int, iters: int, device: torch.device) -> Measurement:
     """Time `collective` on a buffer of about `nbytes` on every rank of the initialised process
     group; every rank returns the same measurement (the slowest rank's time)."""
+    import torch
+    import torch.distributed as dist
+
     world = dist.get_world_size()
     count = element_count(nbytes, world)
     op = _operation(collective, count, world, device)
@@ -134,6 +141,8 @@ def probe(collectives: Sequence[str], sizes: Sequence[int], warmup_iters: int, i
           progress: Callable[[str], None] | None = None) -> list[Measurement]:
     """Measure every collective at every size on this rank's device; `progress` gets one line
     per measurement. Sizes that round to the same buffer are measured once."""
+    import torch.distributed as dist
+
     dev = current_device()
     world = dist.get_world_size()
     results: list[Measurement] = []

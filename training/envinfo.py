@@ -14,12 +14,13 @@ import subprocess
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from training import dist as tdist
+from training.units import GIB
+
+if TYPE_CHECKING:
+    pass
 
 MUST_MATCH: tuple[str, ...] = (
     "python",
@@ -34,7 +35,6 @@ MUST_MATCH: tuple[str, ...] = (
 )
 """Facts that must be identical on every rank: a difference breaks collectives or skews timings."""
 
-GIB = 1024**3
 TOOL_TIMEOUT_S = 5.0
 """A hung `nvidia-smi` or `ibstat` must not stall the whole fleet check."""
 MAX_TABLE_ROWS = 32
@@ -43,6 +43,9 @@ MAX_TABLE_ROWS = 32
 
 def collect_local() -> dict[str, Any]:
     """This rank's facts: identity, software versions, GPUs, driver, InfiniBand, CPUs, memory."""
+    import torch
+    import torch.distributed as dist
+
     node = tdist.node_rank()
     facts: dict[str, Any] = {
         "rank": tdist.rank(),
@@ -70,6 +73,8 @@ def collect_local() -> dict[str, Any]:
 
 def _cuda_facts() -> dict[str, Any]:
     """CUDA toolkit, cuDNN, NCCL and this rank's GPU; None (and no GPU) without CUDA."""
+    import torch
+
     cuda = torch.cuda.is_available()
     facts: dict[str, Any] = {
         "cuda": torch.version.cuda,
@@ -96,6 +101,8 @@ def _cuda_facts() -> dict[str, Any]:
 
 def nccl_version() -> str | None:
     """NCCL's version as "2.x.y", or None when torch was built without it."""
+    import torch
+
     try:
         version = torch.cuda.nccl.version()
     except (AttributeError, RuntimeError):

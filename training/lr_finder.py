@@ -13,14 +13,15 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-
-import numpy as np
-import torch
-from torch import Tensor, nn
+from typing import TYPE_CHECKING
 
 from training.config import LR_SCALING_RULES, SUGGESTION_RULES
 
-Step = Callable[[], Tensor]
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor, nn
+
+Step = Callable[[], "Tensor"]
 """One training step on the next batch at the optimizer's current LR; returns the step's loss."""
 
 _MIN_POINTS = 3
@@ -67,6 +68,8 @@ def suggest(lrs: list[float], smoothed: list[float], rule: str) -> float:
     ~10% and the last ~5% of points, where the EMA is still settling or the loss is blowing up.
     `min_div_10`: a tenth of the LR at the lowest smoothed loss.
     """
+    import numpy as np
+
     if len(lrs) != len(smoothed):
         raise ValueError(f"lrs and smoothed differ in length ({len(lrs)} vs {len(smoothed)})")
     if len(lrs) < _MIN_POINTS:
@@ -82,6 +85,8 @@ def suggest(lrs: list[float], smoothed: list[float], rule: str) -> float:
 
 
 def _steepest(lrs: list[float], smoothed: list[float]) -> float:
+    import numpy as np
+
     n = len(lrs)
     # Integer division keeps at least 3 points for any n >= 3 (n - n//10 - n//20 >= 0.85 n).
     start, stop = n // 10, n - n // 20

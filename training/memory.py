@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+from training.units import GIB
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,8 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer-state) bytes held by this rank."""
+    import torch
+
     params = list(model.parameters())
     param_bytes = sum(tensor_bytes(p) for p in params)
     grad_bytes = sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
@@ -60,6 +66,8 @@ class SavedActivations:
     """Counts the bytes autograd saves for backward, excluding the parameters themselves."""
 
     def __init__(self, model: nn.Module):
+        import torch
+
         self._param_ptrs = {storage_id(p) for p in model.parameters()}
         self._seen: dict[int, int] = {}
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -100,6 +108,8 @@ class StepProbe:
         self._hook = None
 
     def __enter__(self) -> StepProbe:
+        import torch
+
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)
             torch.cuda.reset_peak_memory_stats(self.dev)
@@ -117,6 +127,8 @@ class StepProbe:
             self._hook.remove()
 
     def finish(self, optimizer: torch.optim.Optimizer) -> StepMemory:
+        import torch
+
         params, grads, optim = state_bytes(self.model, optimizer)
         params = max(params, self._after_forward)
         activations = self.saved.bytes
@@ -140,6 +152,8 @@ def measure_step(
 
 def device_memory_bytes(dev: torch.device, ranks_per_host: int) -> int:
     """Memory one rank may use: the GPU's total, or this host's RAM shared by its ranks."""
+    import torch
+
     if dev.type == "cuda":
         return torch.cuda.get_device_properties(dev).total_memory
     with open("/proc/meminfo") as f:
@@ -186,6 +200,8 @@ def memory_audit(model: nn.Module, blocks: list[nn.Module], loss: Callable[[], t
 
     On CPU the live set is counted: parameters + the activations saved so far (attributed to the
     module that saved them) + gradients; a module's activations are freed once its backward ran."""
+    import torch
+
     modules = top_level_modules(model, blocks)
     params = sum(tensor_bytes(p) for p in model.parameters())
     saved: dict[str, int] = {}
@@ -241,7 +257,6 @@ def memory_audit(model: nn.Module, blocks: list[nn.Module], loss: Callable[[], t
 
 
 def audit_table(rows: list[AuditRow]) -> str:
-    gib = 1024**3
     lines = ["| phase | module | in use (GiB) | peak so far (GiB) |", "|---|---|---:|---:|"]
-    lines += [f"| {r.phase} | {r.module} | {r.live_bytes / gib:.6f} | {r.peak_bytes / gib:.6f} |" for r in rows]
+    lines += [f"| {r.phase} | {r.module} | {r.live_bytes / GIB:.6f} | {r.peak_bytes / GIB:.6f} |" for r in rows]
     return "\n".join(lines) + "\n"

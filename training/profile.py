@@ -7,9 +7,11 @@ The seed asked "how many ms all_reduce vs matmul vs memcpy"; this answers it fro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+if TYPE_CHECKING:
+    import torch
+
 
 KINDS = {
     "communication": ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "reducescatter",
@@ -39,6 +41,8 @@ class StepProfiler:
     """Profile the steps in [first, first + count) of the loop."""
 
     def __init__(self, first: int, count: int, device: torch.device):
+        from torch.profiler import ProfilerActivity, profile
+
         self.first, self.count = first, count
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self._profile = profile(activities=activities)

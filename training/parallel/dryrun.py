@@ -15,6 +15,7 @@ from training.memory import tensor_bytes
 from training.models import build_model, model_loss
 from training.models.spec import model_spec
 from training.parallel.compose import parallelize, resolve_dims
+from training.units import GIB
 
 ADAM_STATES = 2
 
@@ -65,7 +66,6 @@ def plan_layout(model_cfg: ModelConfig, strategy: StrategyConfig, world: int) ->
 
 def format_layout(shares: list[RankShare], strategy: StrategyConfig, world: int) -> str:
     dims = resolve_dims(strategy, world)
-    gib = 1024**3
     lines = [
         f"dry run: strategy={strategy.name} world={world} = pp {dims.pp} x dp_replicate {dims.dp_replicate} x "
         f"dp_shard {dims.dp_shard} x tp {dims.tp} (fake process group, meta device)",
@@ -73,6 +73,6 @@ def format_layout(shares: list[RankShare], strategy: StrategyConfig, world: int)
     ]
     for s in shares:
         total = s.param_bytes + s.grad_bytes + s.optim_bytes
-        lines.append(f"{s.rank:>6}  {s.coordinates['pp']:>3}  {s.layers:>6}  {s.param_bytes / gib:>11.4f}  "
-                     f"{s.grad_bytes / gib:>10.4f}  {s.optim_bytes / gib:>10.4f}  {total / gib:>10.4f}")
+        lines.append(f"{s.rank:>6}  {s.coordinates['pp']:>3}  {s.layers:>6}  {s.param_bytes / GIB:>11.4f}  "
+                     f"{s.grad_bytes / GIB:>10.4f}  {s.optim_bytes / GIB:>10.4f}  {total / GIB:>10.4f}")
     return "\n".join(lines)
