@@ -25,7 +25,7 @@ from pipelines.placement import Placement, diff, from_json, placement_tags, to_j
 from pipelines.progress import StageProgress, progress_file
 from pipelines.redact import redact_mapping, redact_text, redact_tree
 from pipelines.schema import Config
-from pipelines.tracking import SUMMARY_ARTIFACT, Tracker, git_commit, make_tracker
+from pipelines.tracking import SUMMARY_ARTIFACT, HasChildRuns, Tracker, git_commit, make_tracker
 from pipelines.validate import keep_contract_facts
 from training.files import write_atomic
 
@@ -286,7 +286,9 @@ class Runner:
             tags["error"] = redact_text(outcome.error)[:5000]
         params = redact_mapping(flatten(to_jsonable(stage_inputs(stage, self.cfg))))
         metrics = entry.metrics if entry else []
-        self.tracker.log_stage(stage.name, outcome.status, tags, params, metrics, entry.artifacts if entry else None)
+        children = outcome.result.child_runs() if isinstance(outcome.result, HasChildRuns) else []
+        self.tracker.log_stage(stage.name, outcome.status, tags, params, metrics, entry.artifacts if entry else None,
+                               children)
         if stage.spec.publish and entry is not None:
             _copy_tree(entry.artifacts, self.run_dir / stage.spec.publish)
 

@@ -19,8 +19,9 @@ import math
 import re
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from pipelines.schema import TrackingConfig
 from training.config import ConfigError
@@ -29,6 +30,24 @@ BATCH = 1000
 SUMMARY_ARTIFACT = "summary.json"
 """Each invocation logs its summary.json at the root of its run (compare and calibrate read it)."""
 PARAM_MAX = 500
+
+
+@dataclass(frozen=True)
+class ChildRun:
+    """A run nested under a stage's run: one measurement among several (a trial of the plan)."""
+
+    name: str
+    params: dict[str, Any]
+    metrics: list[tuple[str, float, int]]
+    under: str
+    """The stage whose run it is nested under (it must have been logged before)."""
+
+
+@runtime_checkable
+class HasChildRuns(Protocol):
+    """A stage result some of whose measurements are runs of their own."""
+
+    def child_runs(self) -> list[ChildRun]: ...
 
 
 class Tracker(Protocol):
@@ -50,6 +69,7 @@ class Tracker(Protocol):
         params: dict[str, Any],
         metrics: list[tuple[str, float, int]],
         artifacts: Path | None,
+        children: list[ChildRun] = (),
     ) -> None: ...
 
     def finish(self, ok: bool, files: list[Path]) -> None: ...
@@ -72,7 +92,7 @@ class NullTracker:
     def log_dataset(self, data: dict[str, str]) -> None:
         pass
 
-    def log_stage(self, stage, status, tags, params, metrics, artifacts) -> None:  # noqa: ANN001
+    def log_stage(self, stage, status, tags, params, metrics, artifacts, children=()) -> None:  # noqa: ANN001
         pass
 
     def finish(self, ok: bool, files: list[Path]) -> None:
@@ -94,6 +114,8 @@ class MlflowTracker:
         self.cached: list[str] = []
         """The stages of this invocation served from the cache, in DAG order."""
         self._last_ms: dict[str, int] = {}
+        self.stage_runs: dict[str, str] = {}
+        """Each stage of this invocation logged so far -> its nested run's id."""
         self.db = db = sqlite_path(cfg.uri)
         if db is not None:
             db.parent.mkdir(parents=True, exist_ok=True)
@@ -204,7 +226,7 @@ class MlflowTracker:
                     raise
                 time.sleep(0.2 * (attempt + 1))
 
-    def log_stage(self, stage, status, tags, params, metrics, artifacts) -> None:  # noqa: ANN001
+    def log_stage(self, stage, status, tags, params, metrics, artifacts, children=()) -> None:  # noqa: ANN001
         assert self.run_id is not None, "log_stage before start"
         run = self.client.create_run(
             self.experiment_id,
@@ -219,6 +241,13 @@ class MlflowTracker:
         if artifacts is not None and artifacts.is_dir() and any(artifacts.iterdir()):
             self.client.log_artifacts(child, str(artifacts))
         self.client.set_terminated(child, "FINISHED" if status in ("ran", "cached") else "FAILED")
+        self.stage_runs[stage] = child
+        for nested in children:
+            parent = self.stage_runs.get(nested.under, child)
+            run = self.client.create_run(self.experiment_id, run_name=nested.name, tags={
+                "mlflow.parentRunId": parent, "kind": "measurement", "stage": stage, "cached": tags.get("cached", "")})
+            self._log(run.info.run_id, params=nested.params, metrics=nested.metrics)
+            self.client.set_terminated(run.info.run_id, "FINISHED")
 
     def finish(self, ok: bool, files: list[Path]) -> None:
         from pipelines.mlflow_ui import CACHED_STAGES_TAG

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from stages.advice import candidate_settings
 from stages.common import log, progress, workbench
@@ -21,7 +22,10 @@ from stages.lr_find import LrFindResult
 from stages.plan import PlanResult
 from training.config import DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
 from training.costmodel import Calibration, MeasuredStep, StepPrediction, fit_calibration
-from training.search import Candidate
+from training.search import Candidate, dims_label
+
+if TYPE_CHECKING:
+    from pipelines.tracking import ChildRun
 
 UNTIMED = 2
 ROUNDS = 2
@@ -69,6 +73,26 @@ class TrialsResult:
                                                                    t.candidate.tokens_per_s, i),
                         ("trials/measured_over_predicted_step", t.measured_over_predicted, i)]
         return out
+
+    def child_runs(self) -> list[ChildRun]:
+        """Each trial as a run nested under the plan's: the candidate's settings as params, its
+        measured and predicted throughput as metrics."""
+        from pipelines.tracking import ChildRun
+
+        runs = []
+        for i, t in enumerate(self.trials, 1):
+            c = t.candidate
+            params = {"strategy": c.strategy, "flavour": c.flavour, **c.dims, "micro_batch": c.micro_batch,
+                      "grad_accum": c.grad_accum, "precision": c.precision,
+                      "activation_checkpointing": c.activation_checkpointing, "command": c.command,
+                      "chosen": self.chosen is not None and c.command == self.chosen.command,
+                      "error": t.error or ""}
+            metrics = [("trial/predicted_tokens_per_s", c.tokens_per_s, 0), ("trial/predicted_step_s", c.step_time_s, 0)]
+            if t.step_time_s is not None:
+                metrics += [("trial/tokens_per_s", t.tokens_per_s, 0), ("trial/step_s", t.step_time_s, 0),
+                            ("trial/measured_over_predicted_step", t.measured_over_predicted, 0)]
+            runs.append(ChildRun(f"trial {i}: {c.strategy} {dims_label(c.dims)}", params, metrics, under="plan"))
+        return runs
 
     def headline(self) -> str:
         ran = [t for t in self.trials if t.tokens_per_s is not None]

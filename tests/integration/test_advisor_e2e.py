@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # A fixed global batch: every candidate trains the same samples per step, only its layout differs.
-AUTO = ["experiment=smoke", "strategy=auto", "nodes=2", "train.global_batch=8", "tracking=none", "only=[plan,trials,train]"]
+AUTO = ["experiment=smoke", "strategy=auto", "nodes=2", "train.global_batch=8", "only=[plan,trials,train]"]
 SETTING = ("micro_batch", "grad_accum", "precision", "activation_checkpointing")
 
 
@@ -33,7 +33,7 @@ def trained_as(train: dict, candidate: dict) -> None:
 
 @pytest.mark.slow
 def test_auto_trains_the_whole_recommendation(tmp_path):
-    summary = run(tmp_path, *AUTO, "hydra.run.dir=run")
+    summary = run(tmp_path, *AUTO, "tracking=none", "hydra.run.dir=run")
     plan, train = summary["stages"]["plan"]["result"], summary["stages"]["train"]["result"]
     assert summary["stages"]["trials"]["status"] == "skipped", "plan.trials=0 asks for no trials"
     trained_as(train, plan["recommended"])
@@ -60,3 +60,13 @@ def test_two_trials_measure_the_two_best_and_the_faster_trains(tmp_path):
                                                   "collective_calls")}
     assert trials["result"]["calibration"]["points"] == 2
     assert summary["run"]["layout"] == "auto, 2 trials"
+    # Each trial is an MLflow run nested under the plan's, saying which one was chosen.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/outputs/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("scalestudy").experiment_id])
+    plan_run = next(r for r in runs if r.data.tags.get("stage") == "plan" and r.data.tags["kind"] == "stage")
+    nested = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == plan_run.info.run_id]
+    assert sorted(r.data.params["command"] for r in nested) == sorted(t["candidate"]["command"] for t in measured)
+    chosen = [r for r in nested if r.data.params["chosen"] == "True"]
+    assert len(chosen) == 1 and chosen[0].data.metrics["trial/tokens_per_s"] == pytest.approx(faster["tokens_per_s"])
