@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.cli import UserError, load, precheck, write_run_config
-from pipelines.schema import register
+from pipelines.schema import SlurmLauncherConfig, register
 from training.config import ConfigError
 
 register()
@@ -52,7 +52,7 @@ def app(dcfg: DictConfig) -> None:
             cfg = dataclasses.replace(cfg, study=study_id_for(Path(hydra_cfg.sweep.dir).resolve()))
             overrides.append(f"study={cfg.study}")  # a batch job (submit_only) reruns these
         write_run_config(output_dir, cfg, overrides)
-        if cfg.launcher.submit_only:
+        if isinstance(cfg.launcher, SlurmLauncherConfig) and cfg.launcher.submit_only:
             from pipelines.launchers.slurm_batch import submit_pipeline
 
             print(submit_pipeline(cfg, output_dir, overrides))
@@ -63,9 +63,9 @@ def app(dcfg: DictConfig) -> None:
         print(f"error: {err}", file=sys.stderr)
         EXIT_CODES.append(2)
         return
-    compare = summary.stages.get("compare")
-    if compare is not None and compare.result is not None:
-        print(compare.result.text)
+    for name, outcome in summary.stages.items():
+        if cfg.pipeline.stages[name].echo and outcome.result is not None:
+            print(outcome.result.text)
     print(summary_table(summary))
     print(f"summary: {summary.path}")
     EXIT_CODES.append(0 if summary.ok else 1)

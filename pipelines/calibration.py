@@ -3,8 +3,9 @@
 Two runs are comparable when the same model, data and batch ran on the same cluster through the
 same launcher with the same precision: then the cost model's components for one and its
 measured step time say how far the model is off for the other. Every invocation's MLflow run is
-tagged with that fingerprint (`calibration_key`); the runner hands the plan stage the measured
-steps of the finished ones as its `history`.
+tagged with that fingerprint (`calibration_key`); the tracker (pipelines/tracking.py) finds the
+finished ones and hands their summaries to `history`, and the runner hands the plan stage the
+measured steps as its `history`.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import json
 import statistics
 from typing import Any
 
-from pipelines.configtools import from_dict, to_jsonable
+from pipelines.configtools import to_jsonable
 from pipelines.placement import Placement
-from pipelines.tracking import run_summaries
-from training.costmodel import COSTMODEL_VERSION, MeasuredStep, StepPrediction
+from pipelines.summary import RunSummary
+from training.costmodel import COSTMODEL_VERSION, MeasuredStep
 
 
 def calibration_key(cfg: Any, placement: Placement | None) -> str:
@@ -36,23 +37,22 @@ def calibration_key(cfg: Any, placement: Placement | None) -> str:
         "precision": cfg.strategy.precision,
         "activation_checkpointing": cfg.strategy.activation_checkpointing,
         "batch": [cfg.train.micro_batch, cfg.train.global_batch, cfg.train.grad_accum],
-        "launcher": [cfg.launcher.name, cfg.launcher.partition, cfg.launcher.address],
+        "launcher": cfg.launcher.identity(),
         "procs_per_node": cfg.procs_per_node,
         "workers": placement.hardware_class if placement is not None and cfg.cluster.measured else None,
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def measured_step(summary: dict[str, Any]) -> MeasuredStep | None:
-    """The train stage's measured step time beside its plan's uncalibrated components, or None."""
-    train = summary.get("stages", {}).get("train") or {}
-    t = train.get("result")
-    if train.get("status") not in ("ran", "cached") or not t:
+def measured_step(summary: RunSummary) -> MeasuredStep | None:
+    """The trained step time beside its plan's uncalibrated components; None where nothing trained
+    or the plan made no prediction for the run."""
+    from stages.train import TrainResult  # the stages build on the engine, not the other way
+
+    train = summary.result(TrainResult)
+    if train is None or train.prediction is None:
         return None
-    components = (t.get("prediction") or {}).get("components")
-    if components is None:  # the plan made no prediction for this run
-        return None
-    return MeasuredStep(t["strategy"], t["world_size"], from_dict(StepPrediction, components), t["step_time_s"])
+    return MeasuredStep(train.strategy, train.world_size, train.prediction.components, train.step_time_s)
 
 
 HISTORY_REPEATS = 3
@@ -60,12 +60,9 @@ HISTORY_REPEATS = 3
 by a third between identical runs (this repo's CI machine does) shouldn't be judged by one."""
 
 
-def history_from_mlflow(client: Any, experiment_id: str, key: str, limit: int = 500) -> list[MeasuredStep]:
-    """The settled history (settle) of the finished invocations tagged with `key`."""
-    runs = client.search_runs([experiment_id], f"tags.kind = 'invocation' AND tags.calibration_key = '{key}' "
-                              "AND attributes.status = 'FINISHED'", max_results=limit,
-                              order_by=["attributes.start_time ASC"])
-    return settle([step for summary in run_summaries(client, runs) if (step := measured_step(summary)) is not None])
+def history(summaries: list[RunSummary]) -> list[MeasuredStep]:
+    """The settled history (settle) of earlier invocations' summaries, oldest first."""
+    return settle([step for summary in summaries if (step := measured_step(summary)) is not None])
 
 
 def settle(steps: list[MeasuredStep]) -> list[MeasuredStep]:

@@ -8,6 +8,7 @@ nothing is launched or written.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import re
@@ -101,14 +102,33 @@ def precheck(argv: list[str]) -> None:
             try:
                 composed = compose(config_name="config", overrides=own)
                 cfg = load(OmegaConf.to_container(composed, resolve=True))
-                if cfg.pipeline.name == "compare":  # an unknown study: one line before Hydra writes
+                if cfg.pipeline.reads_study:  # an unknown study: one line before Hydra writes
                     from pipelines.study import find_study
 
                     find_study(cfg.tracking.uri, cfg.study)
             except ConfigError as err:
                 raise UserError(str(err)) from None
             except Exception as err:  # noqa: BLE001 - composition errors are user errors
+                foreign_option(own)
                 raise UserError(one_line(err)) from None
+
+
+def foreign_option(overrides: list[str]) -> None:
+    """Hydra refuses `launcher.partition=gpu` under launcher=local as a key not in the config;
+    say instead which option of the group has it (the group's schemas, configtools.Tagged)."""
+    from pipelines.configtools import Tagged, tagged_schema
+
+    groups = {f.name: f.default_factory for f in dataclasses.fields(Config)
+              if isinstance(f.default_factory, type) and issubclass(f.default_factory, Tagged)}
+    chosen = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] in groups}
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        group, _, leaf = key.partition(".")
+        if group in groups and leaf and "." not in leaf:
+            try:
+                tagged_schema(groups[group], {"name": chosen.get(group, groups[group]().name), leaf: value}, group)
+            except ConfigError as err:
+                raise UserError(str(err)) from None
 
 
 DEFAULT_DIRS = {"hydra.run.dir": "outputs/runs", "hydra.sweep.dir": "outputs/multirun"}

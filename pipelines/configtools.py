@@ -24,6 +24,39 @@ from training.config import TARGET_KEY, ConfigError, TargetConfig
 _NONE = type(None)
 
 
+class Tagged:
+    """A config group whose options each have a schema of their own, chosen by the group's `name`
+    key (the launchers: Ray's and Slurm's options are theirs alone). Hydra sees the group as an open
+    mapping; `from_dict` builds the option's own schema and names, for a key that belongs to
+    another option, the option that has it. Subclasses are frozen dataclasses with a `name` field."""
+
+    @classmethod
+    def schemas(cls) -> dict[str, type]:
+        raise NotImplementedError
+
+
+def _is_tagged(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, Tagged)
+
+
+def tagged_schema(cls: type, data: dict[str, Any], path: str) -> type:
+    """The schema of the option `data` names; a key it lacks but another option has is an error
+    naming that option (before `from_dict`'s generic unknown-key error)."""
+    schemas = cls.schemas()
+    name = data.get("name", cls().name)
+    schema = schemas.get(name, cls)  # an unknown name: the base's __post_init__ says so
+    own = {f.name for f in dataclasses.fields(schema)}
+    for key in sorted(set(data) - own):
+        others = [n for n, other in schemas.items() if key in {f.name for f in dataclasses.fields(other)}]
+        if others:
+            from pipelines.redact import redact_tree
+
+            group = path.rsplit(".", 1)[-1] if path else "name"
+            raise ConfigError(f"{path}.{key}" if path else key, redact_tree(data[key], key),
+                              f"an option of {group}={' and '.join(others)}, not of {group}={name}")
+    return schema
+
+
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
@@ -44,7 +77,7 @@ def hydra_schema(cls: type) -> type:
             specs.append((f.name, tp, dataclasses.field(default=f.default)))
         elif f.default_factory is not dataclasses.MISSING:
             factory = f.default_factory
-            if _is_target_config(factory):
+            if _is_target_config(factory) or _is_tagged(factory):
                 # The declared keys' defaults, but no _target_: a group option must name its own.
                 defaults = {k: v for k, v in to_jsonable(factory()).items() if k != TARGET_KEY}
                 specs.append((f.name, tp, dataclasses.field(default_factory=lambda d=defaults: dict(d))))
@@ -61,7 +94,7 @@ def hydra_schema(cls: type) -> type:
 
 def _twin_type(tp: Any) -> Any:
     inner, optional = _unwrap_optional(tp)
-    if _is_target_config(inner):
+    if _is_target_config(inner) or _is_tagged(inner):
         return typing.Optional[dict[str, Any]] if optional else dict[str, Any]  # noqa: UP045
     if dataclasses.is_dataclass(inner):
         twin = hydra_schema(inner)
@@ -102,6 +135,8 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
         raise ConfigError(path or cls.__name__, data, f"must be a mapping of {cls.__name__} fields")
     if _is_target_config(cls):
         data = _split_target(cls, data, path)
+    if _is_tagged(cls):
+        cls = tagged_schema(cls, data, path)
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))

@@ -56,9 +56,9 @@ def invocation_run_name(strategy: str, world_size: int, model: str, started: flo
     return f"{strategy} x{world_size} · {model} · {time.strftime('%Y-%m-%d %H:%M', time.localtime(started))}"
 
 
-def compare_run_name(study: str | None, started: float) -> str:
-    """A pipeline=compare run: which study it rebuilt, and when."""
-    return f"compare {study or '-'} · {time.strftime('%Y-%m-%d %H:%M', time.localtime(started))}"
+def study_reading_run_name(pipeline: str, study: str | None, started: float) -> str:
+    """A run of a pipeline that reads a study (pipeline=compare): which study, and when."""
+    return f"{pipeline} {study or '-'} · {time.strftime('%Y-%m-%d %H:%M', time.localtime(started))}"
 
 
 def training_data(data: dict[str, Any]) -> dict[str, str]:

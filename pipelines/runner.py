@@ -20,11 +20,12 @@ from pipelines.configtools import flatten, to_jsonable
 from pipelines.dag import Dag, Stage, build, stage_inputs
 from pipelines.launchers import Launcher, StageFailed, Task, WorldSpec, make_launcher
 from pipelines.launchers.worker import run_task
-from pipelines.mlflow_ui import compare_run_name, invocation_run_name, training_data
+from pipelines.mlflow_ui import invocation_run_name, study_reading_run_name, training_data
 from pipelines.placement import Placement, diff, from_json, placement_tags, to_json
 from pipelines.progress import StageProgress, progress_file
 from pipelines.redact import redact_mapping, redact_text, redact_tree
 from pipelines.schema import Config
+from pipelines.summary import SUMMARY_VERSION, SkipReason
 from pipelines.tracking import SUMMARY_ARTIFACT, HasChildRuns, Tracker, git_commit, make_tracker
 from pipelines.validate import keep_contract_facts
 from training.files import write_atomic
@@ -45,6 +46,8 @@ class Outcome:
     """The cache entry behind a ran or cached outcome (its metrics and artifacts are logged)."""
     placement: dict[str, Any] | None = None
     """Where a worker stage's result was measured (Placement.describe); None for driver stages."""
+    reason: SkipReason | None = None
+    """Why a skipped stage was skipped by choice (only=[...], its `when` key); None otherwise."""
 
     @property
     def measured_by(self) -> dict[str, Any] | None:
@@ -53,12 +56,15 @@ class Outcome:
             return None
         return self.entry.origin
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self, fn: str) -> dict[str, Any]:
+        """Its entry in summary.json (pipelines.summary.StageRecord); `fn` types its result."""
         data = {
             "status": self.status,
+            "reason": self.reason,
             "seconds": round(self.seconds, 3),
             "key": self.key,
             "error": redact_text(self.error) if self.error else None,
+            "fn": fn,
             "result": to_jsonable(self.result) if self.result is not None else None,
         }
         if self.baseline is not None:
@@ -78,8 +84,7 @@ class Summary:
 
     @property
     def ok(self) -> bool:
-        return all(o.status in ("ran", "cached") or o.error == NOT_SELECTED or _not_asked(o)
-                   for o in self.stages.values())
+        return all(o.status in ("ran", "cached") or o.reason is not None for o in self.stages.values())
 
 
 NOT_SELECTED = "not selected by only=[...]"
@@ -109,13 +114,13 @@ class Runner:
             for index, name in enumerate(self.dag.order, 1):
                 stage = self.dag.stages[name]
                 if name not in selected:
-                    summary.stages[name] = Outcome("skipped", error=NOT_SELECTED)
+                    summary.stages[name] = Outcome("skipped", error=NOT_SELECTED, reason=SkipReason.NOT_SELECTED)
                     continue
                 blocked = [u for u in stage.upstream
                            if summary.stages[u].status in ("failed", "skipped") and not _not_asked(summary.stages[u])]
                 off = self._switched_off(stage)
                 if off is not None:
-                    outcome = Outcome("skipped", error=off)
+                    outcome = Outcome("skipped", error=off, reason=SkipReason.NOT_ASKED)
                 elif blocked:
                     outcome = Outcome("skipped", error=f"upstream stage {blocked[0]} {summary.stages[blocked[0]].status}")
                 else:
@@ -295,7 +300,7 @@ class Runner:
     def _finish(self, summary: Summary) -> None:
         summary.mlflow_run_id = self.tracker.run_id
         path = self.run_dir / SUMMARY
-        stages = {n: o.as_json() for n, o in summary.stages.items()}
+        stages = {n: o.as_json(self.dag.stages[n].spec.fn) for n, o in summary.stages.items()}
         launched = self.launcher.record()
         # Cluster launchers (slurm) name the jobs each stage ran in, baseline included.
         for name, ids in launched.get("jobs", {}).items():
@@ -304,6 +309,7 @@ class Runner:
                 stages[stage].setdefault("jobs", [])
                 stages[stage]["jobs"] += [i for i in ids if i not in stages[stage]["jobs"]]
         payload = {
+            "version": SUMMARY_VERSION,
             "run": run_facts(self.cfg, self.placement),
             "placement": None if self.placement is None else {**self.placement.describe(),
                                                              "nodes": to_json(self.placement)["nodes"],
@@ -320,7 +326,7 @@ class Runner:
 
 
 def _not_asked(outcome: Outcome) -> bool:
-    return outcome.status == "skipped" and (outcome.error or "").startswith(NOT_ASKED)
+    return outcome.reason is SkipReason.NOT_ASKED
 
 
 def _copy_tree(src: Path, dst: Path) -> None:
@@ -395,15 +401,15 @@ def run_pipeline(cfg: Config, run_dir: Path, echo=print) -> Summary:
     keep_contract_facts(cfg)
     world = cfg.nodes * cfg.procs_per_node
     facts = run_facts(cfg)
-    compare = cfg.pipeline.name == "compare"
-    tags = {"kind": "compare" if compare else "invocation", "calibration_key": calibration_key(cfg, None)}
+    reading = cfg.pipeline.reads_study
+    tags = {"kind": "study-reading" if reading else "invocation", "calibration_key": calibration_key(cfg, None)}
     if cfg.study:
         # A top-level run tagged with its study, not a child of a study run: MLflow's runs page
         # and charts show top-level runs, and group them by this tag (pipelines/mlflow_ui.py).
         tags["study"] = cfg.study
     started = time.time()
     tracker.start(
-        compare_run_name(cfg.study, started) if compare else
+        study_reading_run_name(cfg.pipeline.name, cfg.study, started) if reading else
         invocation_run_name(cfg.strategy.name, world, cfg.model.name, started),
         # strategy / world_size / global_batch as plain params: MLflow's compare view plots
         # scaling efficiency against them.
@@ -426,7 +432,7 @@ def run_pipeline(cfg: Config, run_dir: Path, echo=print) -> Summary:
         },
     )
     try:
-        if not compare:
+        if not reading:
             tracker.log_dataset(training_data(redact_tree(to_jsonable(cfg.data))))
         return Runner(cfg, run_dir, tracker, launcher, echo).run()
     finally:

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
-from pipelines.configtools import hydra_schema
+from pipelines.configtools import Tagged, hydra_schema
+from pipelines.redact import redact_text
 from training.config import (
     BandwidthConfig,
     ClusterConfig,
@@ -26,7 +27,6 @@ from training.config import (
 )
 
 RESOURCES = ("driver", "one_device", "world")
-LAUNCHERS = ("local", "ray", "slurm")
 BACKENDS = ("auto", "gloo", "nccl")
 TRACKERS = ("mlflow", "none")
 STUDY_ID = re.compile(r"[\w.:/-]{1,200}")
@@ -58,6 +58,8 @@ class StageSpec:
     when: str | None = None
     """A config key (e.g. `plan.trials`): when its value is false or 0 the stage is not asked for;
     it is skipped without running and the stages that need it receive None."""
+    echo: bool = False
+    """Print the result's `text` (a report read in the terminal) before the summary table."""
 
     def __post_init__(self) -> None:
         if ":" not in self.fn:
@@ -74,10 +76,18 @@ class PipelineConfig:
     """Pipeline name, recorded in tags."""
     stages: dict[str, StageSpec] = field(default_factory=dict)
     """The stages by name, in any order; the DAG comes from `needs` and `after`."""
+    reads_study: bool = False
+    """Its input is a study already in MLflow (`study=`, `tracking=mlflow`), checked before anything
+    is written; its invocation is a reading of that study (MLflow tag kind=study-reading), not a
+    point of it."""
 
 
 @dataclass(frozen=True)
-class LauncherConfig:
+class LauncherConfig(Tagged):
+    """What every launcher takes; each launcher's own options are in its schema (LAUNCHER_SCHEMAS),
+    so a key of another launcher (`launcher=local launcher.partition=gpu`) is an error naming the
+    launcher that has it, not an option silently ignored."""
+
     name: str = "local"
     """Where world and one_device stages run: `local` starts worker processes on this machine."""
     backend: str = "auto"
@@ -86,66 +96,111 @@ class LauncherConfig:
     """Collective timeout: a rank that waits longer on a peer fails instead of hanging."""
     grace_s: float = 10.0
     """After one rank fails, how long the others get to exit on their own before being killed."""
-    address: str | None = None
-    """ray: null starts a local Ray instance for the invocation (and stops it at the end);
-    `auto` or `ray://host:port` joins an existing cluster and leaves it running."""
-    spread_nodes: bool = False
-    """ray: place every worker on a different Ray node (STRICT_SPREAD) instead of packing them."""
-    max_failures: int = 0
-    """ray: worker-group restarts allowed; a restarted train resumes from its last checkpoint."""
-    cpus_per_worker: float = 1.0
-    """ray: CPUs reserved per worker (GPUs: one per worker when CUDA is available)."""
-    partition: str | None = None
-    """slurm: partition (-p)."""
-    account: str | None = None
-    """slurm: account (-A)."""
-    qos: str | None = None
-    """slurm: quality of service."""
-    constraint: str | None = None
-    """slurm: node features (-C)."""
-    gpus_per_node: int | None = None
-    """slurm: GPUs per node; null requests none."""
-    cpus_per_task: int = 1
-    """slurm: CPUs per task (rank)."""
-    mem_gb: float | None = None
-    """slurm: memory per node in GB; null leaves the partition's default."""
-    timeout_min: int = 60
-    """slurm: time limit of each job, in minutes."""
-    setup: list[str] = field(default_factory=list)
-    """slurm: shell lines run before each task (e.g. `module load cuda`, `source .venv/bin/activate`)."""
-    additional_parameters: dict[str, str] = field(default_factory=dict)
-    """slurm: other sbatch options, e.g. {exclusive: ""}."""
-    submit_only: bool = False
-    """slurm: submit one batch job that runs the whole pipeline on the cluster, print its id and
-    where its outputs will be, and return at once."""
-    max_requeues: int = 3
-    """slurm: how often a preempted or timed-out job is requeued and resumed from its checkpoint."""
-    poll_s: float = 1.0
-    """slurm: seconds between job-state polls (a progress line per job while waiting)."""
+
+    @classmethod
+    def schemas(cls) -> dict[str, type]:
+        return LAUNCHER_SCHEMAS
+
+    def identity(self) -> list:
+        """What makes two invocations' workers the same kind of place for calibration."""
+        return [self.name]
 
     def __post_init__(self) -> None:
-        if self.name not in LAUNCHERS:
-            raise ConfigError("name", self.name, f"must be one of {', '.join(LAUNCHERS)}")
+        if self.name not in LAUNCHER_SCHEMAS:
+            raise ConfigError("name", self.name, f"must be one of {', '.join(LAUNCHER_SCHEMAS)}")
         if self.backend not in BACKENDS:
             raise ConfigError("backend", self.backend, f"must be one of {', '.join(BACKENDS)}")
         if self.timeout_s <= 0:
             raise ConfigError("timeout_s", self.timeout_s, "must be a number of seconds > 0")
         if self.grace_s < 0:
             raise ConfigError("grace_s", self.grace_s, "must be a number of seconds >= 0")
-        for key in ("max_failures", "max_requeues"):
-            if getattr(self, key) < 0:
-                raise ConfigError(key, getattr(self, key), "must be an integer >= 0")
-        for key in ("cpus_per_worker", "poll_s"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(key, getattr(self, key), "must be a number > 0")
+
+
+@dataclass(frozen=True)
+class RayLauncherConfig(LauncherConfig):
+    """`launcher=ray`: one Ray Train worker group for the invocation."""
+
+    name: str = "ray"
+    address: str | None = None
+    """null starts a local Ray instance for the invocation (and stops it at the end); `auto` or
+    `ray://host:port` joins an existing cluster and leaves it running."""
+    spread_nodes: bool = False
+    """Place every worker on a different Ray node (STRICT_SPREAD) instead of packing them."""
+    max_failures: int = 0
+    """Worker-group restarts allowed; a restarted train resumes from its last checkpoint."""
+    cpus_per_worker: float = 1.0
+    """CPUs reserved per worker (GPUs: one per worker when CUDA is available)."""
+
+    def identity(self) -> list:
+        return [self.name, self.address]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_failures < 0:
+            raise ConfigError("max_failures", self.max_failures, "must be an integer >= 0")
+        if self.cpus_per_worker <= 0:
+            raise ConfigError("cpus_per_worker", self.cpus_per_worker, "must be a number > 0")
+        if self.address is not None and not (self.address == "auto" or self.address.startswith("ray://")
+                                             or ":" in self.address):
+            raise ConfigError("address", self.address, "must be null (start a local Ray), auto, ray://host:port or host:port")
+
+
+@dataclass(frozen=True)
+class SlurmLauncherConfig(LauncherConfig):
+    """`launcher=slurm`: one allocation per invocation, every stage a job step in it."""
+
+    name: str = "slurm"
+    partition: str | None = None
+    """Partition (-p)."""
+    account: str | None = None
+    """Account (-A)."""
+    qos: str | None = None
+    """Quality of service."""
+    constraint: str | None = None
+    """Node features (-C)."""
+    gpus_per_node: int | None = None
+    """GPUs per node; null requests none."""
+    cpus_per_task: int = 1
+    """CPUs per task (rank)."""
+    mem_gb: float | None = None
+    """Memory per node in GB; null leaves the partition's default."""
+    timeout_min: int = 60
+    """Time limit of the allocation, in minutes."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run before each task (e.g. `module load cuda`, `source .venv/bin/activate`)."""
+    additional_parameters: dict[str, str] = field(default_factory=dict)
+    """Other sbatch options, e.g. {exclusive: ""}."""
+    submit_only: bool = False
+    """Submit the allocation with the driver as its batch script, print its id and where its
+    outputs will be, and return at once."""
+    max_requeues: int = 3
+    """How often a preempted or timed-out allocation is requeued and the stage resumed."""
+    poll_s: float = 1.0
+    """Seconds between job-state polls (a progress line per job while waiting)."""
+
+    def identity(self) -> list:
+        return [self.name, self.partition]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_requeues < 0:
+            raise ConfigError("max_requeues", self.max_requeues, "must be an integer >= 0")
+        if self.poll_s <= 0:
+            raise ConfigError("poll_s", self.poll_s, "must be a number > 0")
         if self.cpus_per_task < 1 or self.timeout_min < 1:
             key = "cpus_per_task" if self.cpus_per_task < 1 else "timeout_min"
             raise ConfigError(key, getattr(self, key), "must be an integer >= 1")
         if self.gpus_per_node is not None and self.gpus_per_node < 0:
             raise ConfigError("gpus_per_node", self.gpus_per_node, "must be an integer >= 0, or null")
-        if self.address is not None and not (self.address == "auto" or self.address.startswith("ray://")
-                                             or ":" in self.address):
-            raise ConfigError("address", self.address, "must be null (start a local Ray), auto, ray://host:port or host:port")
+        for line in self.setup:  # they go into generated sbatch scripts: a secret would sit in clear on disk
+            if redact_text(line) != line:
+                raise ConfigError("setup", redact_text(line), "would write a secret into generated job scripts; "
+                                  "export it in the submitting shell instead (Slurm passes the environment on)")
+
+
+LAUNCHER_SCHEMAS: dict[str, type[LauncherConfig]] = {
+    "local": LauncherConfig, "ray": RayLauncherConfig, "slurm": SlurmLauncherConfig}
+"""Each launcher's schema, by `launcher.name`: a new launcher adds its own here."""
 
 
 @dataclass(frozen=True)

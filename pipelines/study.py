@@ -1,9 +1,10 @@
 """Studies: the invocations of one sweep (or of one `study=<id>`) seen together.
 
 - `study_id_for(sweep_dir)`: the id a `-m` sweep gives its invocations when `study` is unset.
-- `summaries_from_sweep` / `summaries_from_mlflow`: every invocation's summary.json, from the
-  sweep dir or from the MLflow store it was logged to (pipeline=compare).
-- `StudyReportCallback`: Hydra's multirun callback that writes the study report into the sweep
+- `summaries_from_sweep` / `summaries_from_mlflow`: every invocation's summary.json, read
+  (pipelines.summary), from the sweep dir or from the MLflow store it was logged to (pipeline=compare).
+- `StudyReportCallback`: Hydra's multirun callback that writes the study report
+  (pipelines/study_report.py, which the compare stage writes too) into the sweep
   dir when the sweep ends and records it in MLflow (a `kind=study` run: report and table), then
   prints the MLflow UI's URL of the study view.
 """
@@ -19,6 +20,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from pipelines.schema import TrackingConfig
+from pipelines.summary import RunSummary, read_summaries
 from training.config import ConfigError
 
 REPORT_DIR = "study"
@@ -30,12 +32,12 @@ def study_id_for(sweep_dir: str | Path) -> str:
     return re.sub(r"[^\w.:/-]", "-", f"{path.parent.name}_{path.name}" if path.parent.name else path.name)
 
 
-def summaries_from_sweep(sweep_dir: Path) -> list[dict[str, Any]]:
+def summaries_from_sweep(sweep_dir: Path) -> list[RunSummary]:
     """The summary.json of every job of a sweep (jobs that failed before running have none)."""
     # rglob: an override holding a path (cache_dir=/x/y) nests the job's subdir.
     from pipelines.tracking import SUMMARY_ARTIFACT
 
-    return [json.loads(p.read_text()) for p in sorted(sweep_dir.rglob(SUMMARY_ARTIFACT))]
+    return read_summaries(json.loads(p.read_text()) for p in sorted(sweep_dir.rglob(SUMMARY_ARTIFACT)))
 
 
 def _client(uri: str) -> Any:
@@ -86,7 +88,7 @@ def _search(client: Any, experiment_ids: list[str], query: str) -> list[Any]:
             return runs
 
 
-def summaries_from_mlflow(uri: str, study: str) -> tuple[list[dict[str, Any]], str]:
+def summaries_from_mlflow(uri: str, study: str) -> tuple[list[RunSummary], str]:
     """Each invocation's summary.json as logged to its MLflow run, and where they came from."""
     from pipelines.tracking import run_summaries
 
@@ -103,8 +105,8 @@ def _redacted(uri: str) -> str:
 def record_in_mlflow(tracking: TrackingConfig, study: str, folder: Path, rows: list[dict[str, Any]]) -> tuple[str, str]:
     """Record the study in MLflow (its report folder and its table, pipelines.tracking
     record_study); the record's run id and its experiment's id."""
+    from pipelines.study_report import columns
     from pipelines.tracking import MlflowTracker
-    from stages.study_report import columns
 
     tracker = MlflowTracker(tracking)
     table = {c: [row.get(c) for row in rows] for c in columns(rows)}
@@ -131,23 +133,23 @@ class StudyReportCallback(Callback):
     """At the end of a `-m` sweep: the study report in `<sweep dir>/study/`, and in MLflow."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        from stages.study_report import StudyRun, write_study_report
+        from pipelines.study_report import study_runs, write_study_report
 
         sweep_dir = Path(str(config.hydra.sweep.dir))
         try:
             summaries = summaries_from_sweep(sweep_dir)
-            runs = [r for r in map(StudyRun.from_summary, summaries) if r is not None]
+            runs = study_runs(summaries)
             if not runs:
                 print(f"study: no invocation of {sweep_dir} finished; no study report", file=sys.stderr)
                 return
-            study = next(s["run"]["study"] for s in summaries if s.get("run", {}).get("study"))
+            study = next(s.run.study for s in summaries if s.run.study)
             source = f"sweep dir {sweep_dir}"
             if config.tracking.name == "mlflow":
                 # The whole study, not just this sweep: `study=<id>` may gather several sweeps,
                 # and the report recorded in MLflow must cover them all.
                 try:
                     summaries, source = summaries_from_mlflow(config.tracking.uri, study)
-                    runs = [r for r in map(StudyRun.from_summary, summaries) if r is not None]
+                    runs = study_runs(summaries)
                 except ConfigError as err:
                     print(f"warning: study report from the sweep dir only: {err}", file=sys.stderr)
             report = write_study_report(runs, sweep_dir / REPORT_DIR, study, source)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from pipelines.schema import TrackingConfig
+from pipelines.summary import RunSummary, read_summaries
 from training.config import ConfigError
 
 BATCH = 1000
@@ -187,11 +188,14 @@ class MlflowTracker:
                 self.client.delete_run(older.info.run_id)
         return mine
 
-    def history(self, key: str) -> list:
+    def history(self, key: str, limit: int = 500) -> list:
         """Measured steps of earlier finished invocations with this calibration key."""
-        from pipelines.calibration import history_from_mlflow
+        from pipelines.calibration import history
 
-        return history_from_mlflow(self.client, self.experiment_id, key)
+        runs = self.client.search_runs([self.experiment_id], f"tags.kind = 'invocation' AND tags.calibration_key = "
+                                       f"'{key}' AND attributes.status = 'FINISHED'", max_results=limit,
+                                       order_by=["attributes.start_time ASC"])
+        return history(run_summaries(self.client, runs))
 
     def start(self, name: str, params: dict[str, Any], tags: dict[str, str]) -> None:
         run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
@@ -289,9 +293,10 @@ def _on_invocation(metric: tuple[str, float, int]) -> bool:
     return step == 0 and "/" in key and not key.startswith("system/")
 
 
-def run_summaries(client: Any, runs: list[Any]) -> list[dict[str, Any]]:
-    """The summary.json each invocation logged to its run, in the runs' order; a run killed
-    before it finished has none and is left out."""
+def run_summaries(client: Any, runs: list[Any]) -> list[RunSummary]:
+    """The summary.json each invocation logged to its run, read (pipelines.summary), in the runs'
+    order; a run killed before it finished has none, and one this version can't read is named on
+    stderr; both are left out."""
     import json
     import tempfile
 
@@ -305,7 +310,7 @@ def run_summaries(client: Any, runs: list[Any]) -> list[dict[str, Any]]:
             except Exception:  # noqa: BLE001 - any missing or unreadable artifact
                 continue
             summaries.append(json.loads(Path(path).read_text()))
-    return summaries
+    return read_summaries(summaries)
 
 
 def study_runs(client: Any, experiment_ids: list[str], study: str) -> list[Any]:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from pipelines.cache import code_version, digest, targets_code
 from pipelines.configtools import from_dict, to_jsonable
-from pipelines.redact import redact_text
 from pipelines.schema import Config
 from training.config import ConfigError
 from training.contract import ContractFacts
@@ -44,8 +43,7 @@ def resolve(cfg: Config, gpus_per_node: int | None = None, uses_model: bool = Tr
     dims = _check_degrees(cfg, gpus)
     _check_stage_names(cfg)
     _check_outputs(cfg)
-    _check_no_secrets_in_scripts(cfg)
-    _check_compare(cfg)
+    _check_study_reading(cfg)
     _check_calibrate(cfg)
     if uses_model:  # last: it builds the model and data
         facts = contract_facts(cfg)
@@ -59,14 +57,14 @@ def _check_calibrate(cfg: Config) -> None:
         raise ConfigError("plan.calibrate", True, "reads earlier runs from MLflow: use tracking=mlflow")
 
 
-def _check_compare(cfg: Config) -> None:
-    """pipeline=compare reads a study back from MLflow: it needs both."""
-    if cfg.pipeline.name != "compare":
+def _check_study_reading(cfg: Config) -> None:
+    """A pipeline that reads a study back from MLflow (pipeline=compare) needs both."""
+    if not cfg.pipeline.reads_study:
         return
     if cfg.study is None:
-        raise ConfigError("study", None, "pipeline=compare needs study=<study id or MLflow experiment name>")
+        raise ConfigError("study", None, f"pipeline={cfg.pipeline.name} needs study=<study id or MLflow experiment name>")
     if cfg.tracking.name != "mlflow":
-        raise ConfigError("tracking", cfg.tracking.name, "pipeline=compare reads MLflow: use tracking=mlflow")
+        raise ConfigError("tracking", cfg.tracking.name, f"pipeline={cfg.pipeline.name} reads MLflow: use tracking=mlflow")
 
 
 def _check_world(cfg: Config, gpus: int) -> None:
@@ -177,14 +175,6 @@ def _check_stage_names(cfg: Config) -> None:
         for name in getattr(cfg, key):
             if name not in cfg.pipeline.stages:
                 raise ConfigError(key, name, f"is not a stage of pipeline={cfg.pipeline.name}; stages: {', '.join(known)}")
-
-
-def _check_no_secrets_in_scripts(cfg: Config) -> None:
-    """Setup lines go into generated sbatch scripts: a secret there would sit in clear on disk."""
-    for line in cfg.launcher.setup:
-        if redact_text(line) != line:
-            raise ConfigError("launcher.setup", redact_text(line), "would write a secret into generated job scripts; "
-                              "export it in the submitting shell instead (Slurm passes the environment on)")
 
 
 def _check_outputs(cfg: Config) -> None:

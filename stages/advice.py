@@ -8,9 +8,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from training import strategies
 from training.config import ClusterConfig, DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
-from training.costmodel import Anatomy, Calibration, Degrees, Hardware, Workload, predict_layout, state_memory
-from training.parallel.dims import resolve_dims
+from training.costmodel import Anatomy, Calibration, Hardware, Workload, predict_layout, state_memory
+from training.parallel.dims import ParallelDims, resolve_dims
 from training.search import (
     Candidate,
     Searched,
@@ -25,7 +26,9 @@ from training.units import GIB
 if TYPE_CHECKING:
     from training.anatomy import VariantCost
 
-PURE = ("ddp", "zero1", "zero2", "zero3", "tp", "pp")
+def pure() -> list[str]:
+    """The strategies drawn as scaling curves and explained one by one (training/strategies/)."""
+    return [s.name for s in strategies.REGISTRY.values() if s.pure]
 
 
 @dataclass(frozen=True)
@@ -43,13 +46,16 @@ class AdviceInputs:
     seed: int
 
 
-def flavour_of(strategy: StrategyConfig, d: Degrees) -> str:
-    """The data-parallel flavour a configured strategy trains with (what the cost model charges)."""
-    if strategy.name in ("ddp", "zero1", "zero2", "zero3"):
+def flavour_of(strategy: StrategyConfig, d: ParallelDims) -> str:
+    """The data-parallel flavour a configured strategy trains with (what the cost model charges):
+    its own when it is one; else by its degrees, FSDP's (resharding or not) when it shards, the
+    simplest when it does not."""
+    if strategies.get(strategy.name).is_flavour:
         return strategy.name
     if d.dp_shard > 1:
-        return "zero3" if strategy.reshard else "zero2"
-    return "ddp"
+        return next(f.name for f in strategies.flavours()
+                    if f.wrapper == "fsdp" and f.reshard_after_forward == strategy.reshard)
+    return strategies.flavours()[0].name
 
 
 def searched_variants(cfg: AdviceInputs, blocks: int) -> list[tuple[str, str]]:
@@ -127,8 +133,7 @@ def own_candidate(cfg: AdviceInputs, anatomy: Anatomy, variants: list[Variant], 
     from training.search import _candidate
 
     world = cfg.nodes * cfg.procs_per_node
-    dims = resolve_dims(cfg.strategy, world)
-    d = Degrees(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp)
+    d = resolve_dims(cfg.strategy, world)
     flavour = flavour_of(cfg.strategy, d)
     own = next(v for v in variants if (v.precision, v.activation_checkpointing) ==
                (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
@@ -138,7 +143,7 @@ def own_candidate(cfg: AdviceInputs, anatomy: Anatomy, variants: list[Variant], 
                  tokens_per_sample=anatomy.tokens_per_sample, activation_bytes_per_sample=own.activation_bytes_per_sample,
                  bucket_cap_bytes=cfg.strategy.bucket_cap_mb * 1024**2, seconds_per_sample=own.seconds_per_sample,
                  clip=cfg.train.grad_clip is not None, pp_schedule=cfg.strategy.pp_schedule)
-    name = cfg.strategy.name if cfg.strategy.name in PURE else strategy_name(flavour, d)
+    name = cfg.strategy.name if cfg.strategy.name in pure() else strategy_name(flavour, d)
     p = predict_layout(w, hw, flavour, d, memory_limit, overlap, 1.0 / own.seconds_per_sample, calibration, name)
     if p is None:
         return None
@@ -152,7 +157,7 @@ def rejection_reasons(searched: Searched, best: Candidate | None, memory_limit: 
     """For each pure strategy, the ruler that decided against it (or that it is the choice)."""
     reasons = []
     pct = f"{cfg.plan.memory_fraction:.0%} of {hw.device_memory_bytes / GIB:.1f} GiB"
-    for name in PURE:
+    for name in pure():
         own = [c for c in searched.ranked if c.strategy == name]
         if not own:
             reasons.append(f"{name}: {_why_absent(name, anatomy, cfg)}")
@@ -197,12 +202,12 @@ def _what_costs(c: Candidate, best: Candidate) -> str:
 
 
 def _why_absent(name: str, anatomy: Anatomy, cfg: AdviceInputs) -> str:
-    shape = anatomy.shape
-    if name == "tp":
+    shape, degrees = anatomy.shape, strategies.get(name).degrees
+    if degrees["tp"] == -1:
         if shape.block_linear_params == 0:
             return "the model declares no tensor-parallel plan"
         return f"tp={cfg.nodes * cfg.procs_per_node} does not divide its widths and heads {list(shape.tp_sizes)}"
-    if name == "pp":
+    if degrees["pp"] == -1:
         if not shape.pipeline:
             return "the model declares no pipeline layout"
         return f"pp={cfg.nodes * cfg.procs_per_node} stages would exceed its {shape.layers} blocks"
@@ -228,10 +233,10 @@ def _short(c: Candidate) -> str:
 
 
 def one_device(strategy: StrategyConfig) -> StrategyConfig:
-    """A layout's 1-device baseline: every degree 1 (a hybrid, tp or pp layout trains as plain
-    data parallelism of one), its precision, checkpointing and buckets kept, so that scaling
-    efficiency compares like with like."""
-    name = strategy.name if strategy.name not in ("zero1", "tp", "pp", "hybrid") else "ddp"
+    """A layout's 1-device baseline: every degree 1, trained as its declaration's `one_device`
+    strategy (a hybrid, tp or pp layout as plain data parallelism of one), its precision,
+    checkpointing and buckets kept, so that scaling efficiency compares like with like."""
+    name = strategies.get(strategy.name).one_device
     return dataclasses.replace(strategy, name=name, dp_replicate=1, dp_shard=1, tp=1, pp=1, reshard_after_forward=None)
 
 
@@ -242,7 +247,7 @@ def candidate_settings(c: Candidate, strategy: StrategyConfig, train: TrainConfi
     d = c.dims
     chosen = dataclasses.replace(
         strategy, name=c.strategy, dp_replicate=d["dp_replicate"], dp_shard=d["dp_shard"], tp=d["tp"], pp=d["pp"],
-        reshard_after_forward=c.flavour != "zero2" if d["dp_shard"] > 1 else None,
+        reshard_after_forward=strategies.get(c.flavour).reshard_after_forward if d["dp_shard"] > 1 else None,
         precision=c.precision, activation_checkpointing=c.activation_checkpointing, pp_schedule=c.pp_schedule,
         microbatches=c.microbatches if d["pp"] > 1 else strategy.microbatches, bucket_cap_mb=c.bucket_cap_mb)
     chosen = chosen if world > 1 else one_device(chosen)

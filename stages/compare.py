@@ -14,7 +14,7 @@ from typing import Any
 
 from pipelines.schema import TrackingConfig
 from pipelines.study import summaries_from_mlflow
-from stages.study_report import StudyRun, write_study_report
+from pipelines.study_report import study_runs, write_study_report
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,5 @@ class CompareResult:
 def run(cfg: CompareInputs, *, artifacts: Path) -> CompareResult:
     assert cfg.study is not None, "validate.resolve requires study with pipeline=compare"
     summaries, source = summaries_from_mlflow(cfg.tracking.uri, cfg.study)
-    runs = [r for r in map(StudyRun.from_summary, summaries) if r is not None]
-    report = write_study_report(runs, artifacts, cfg.study, source)
+    report = write_study_report(study_runs(summaries), artifacts, cfg.study, source)
     return CompareResult(cfg.study, source, len(report.rows), report.rows, report.files, report.text())

@@ -19,17 +19,18 @@ import time
 from dataclasses import dataclass
 
 from stages.advice import (
-    PURE,
     AdviceInputs,
     advise,
     headline_reason,
     precision_peak,
+    pure,
     rejection_reasons,
     searched_variants,
 )
 from stages.bandwidth import BandwidthResult
 from stages.common import log, workbench
 from stages.lr_find import LrFindResult
+from training import strategies
 from training.config import ClusterConfig, DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
 from training.costmodel import (
     Anatomy,
@@ -180,7 +181,7 @@ class PlanResult:
         point. (Under strategy=auto the train stage holds the run against the candidate it chose.)"""
         if devices == self.world_size:
             return self.requested.prediction if self.requested is not None else None
-        return self.prediction(strategy if strategy in PURE else "ddp", devices)
+        return self.prediction(strategy if strategy in pure() else strategies.flavours()[0].name, devices)
 
     def table(self) -> str:
         """The best candidates at the requested world size, and the requested layout."""
@@ -251,7 +252,7 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:
         step(probe, held)
     memory = held[0]
     compute = _timed_steps(step)
-    overheads = measure_overheads(model, cfg.model, bench.loss, batch, list(cfg.plan.strategies or PURE), dev, clip,
+    overheads = measure_overheads(model, cfg.model, bench.loss, batch, list(cfg.plan.strategies or pure()), dev, clip,
                                   step_strategy(cfg))
     device_bytes = cfg.plan.device_memory_bytes or device_memory_bytes(dev, cfg.procs_per_node)
     anatomy = dataclasses.replace(anatomy, activation_bytes_per_sample=memory.activation_bytes / micro)
@@ -387,7 +388,7 @@ def predictions(cfg: PlanInputs, w: Workload, hw: Hardware, world: int,
     for devices in device_counts(cfg.plan.max_devices, world):
         if devices > 1 and not hw.intra:
             continue  # no bandwidth measured: nothing to predict beyond one device
-        for strategy in [s for s in PURE if not cfg.plan.strategies or s in cfg.plan.strategies]:
+        for strategy in [s for s in pure() if not cfg.plan.strategies or s in cfg.plan.strategies]:
             p = predict(w, hw, strategy, devices, limit, overlap, single, calibration)
             if p is not None:
                 out.append(p)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipelines import plots
 from stages.bandwidth import BandwidthResult
 from stages.env_check import EnvResult
 from stages.lr_find import LrFindResult
@@ -30,54 +31,8 @@ class ReportResult:
         return f"{len(self.files)} files: {', '.join(self.files)}"
 
 
-def _plot_lr(lr: LrFindResult, train: TrainResult, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([p.lr for p in lr.curve], [p.loss for p in lr.curve], alpha=0.3, label="loss")
-    ax.plot([p.lr for p in lr.curve], [p.smoothed for p in lr.curve], label="smoothed")
-    ax.axvline(lr.suggested_lr, color="C2", ls="--", label=f"suggested {lr.suggested_lr:.1e} ({lr.rule})")
-    ax.axvline(train.lr, color="C3", ls=":", label=f"trained with {train.lr:.1e} at batch {train.global_batch} "
-               f"({train.lr_source})")
-    # The divergent tail would squash the informative part of the curve: cap the axis above the start.
-    top = 1.3 * max(lr.curve[0].smoothed, min(p.loss for p in lr.curve))
-    ax.set(xscale="log", xlabel="learning rate", ylabel="loss", title="LR range test", ylim=(None, top))
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def _plot_busbw(bw: BandwidthResult, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in sorted({m.collective for m in bw.results}):
-        points = [m for m in bw.results if m.collective == name]
-        ax.plot([m.bytes for m in points], [m.busbw_gbps for m in points], marker="o", ms=3, label=name)
-    ax.axhline(bw.ruler_gbps, color="grey", ls="--", label=f"ruler {bw.ruler_gbps:g} GB/s")
-    ax.set(xscale="log", yscale="log", xlabel="message size (bytes)", ylabel="busbw (GB/s)",
-           title=f"Collective bandwidth, world {bw.world_size} ({bw.backend})")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def _plot_loss(train: TrainResult, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(range(1, len(train.losses) + 1), train.losses)
-    ax.set(xlabel="optimizer step", ylabel="loss",
-           title=f"{train.strategy} x{train.world_size}, global batch {train.global_batch}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def markdown(env: EnvResult, bandwidth: BandwidthResult, lr: LrFindResult, plan: PlanResult,
-             train: TrainResult, plots: list[str]) -> str:
+             train: TrainResult, pngs: list[str]) -> str:
     mfu = f"{train.mfu_pct:.1f} %" if train.mfu_pct is not None else "n/a (peak FLOP/s unknown)"
     rows = [
         ("strategy", train.strategy),
@@ -119,22 +74,17 @@ def markdown(env: EnvResult, bandwidth: BandwidthResult, lr: LrFindResult, plan:
     if train.time_split:
         lines += ["## Where a step's time goes (torch.profiler, rank 0)", "", split_table(train.time_split)]
     lines += ["## Learning rate", "", lr.headline(), ""]
-    lines += [f"![{p}]({p})" for p in plots]
+    lines += [f"![{p}]({p})" for p in pngs]
     return "\n".join(lines) + "\n"
 
 
 def run(cfg: ReportInputs, *, env: EnvResult, bandwidth: BandwidthResult, lr_find: LrFindResult,
         plan: PlanResult, train: TrainResult, artifacts: Path) -> ReportResult:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    plots = ["lr_find.png", "loss.png"]
-    _plot_lr(lr_find, train, artifacts / "lr_find.png")
-    _plot_loss(train, artifacts / "loss.png")
-    if bandwidth.results:
-        _plot_busbw(bandwidth, artifacts / "busbw.png")
-        plots.insert(1, "busbw.png")
-    (artifacts / "report.md").write_text(markdown(env, bandwidth, lr_find, plan, train, plots))
+    drawn = [plots.lr_find(lr_find, [train], artifacts / "lr_find.png"),
+             plots.busbw([bandwidth], artifacts / "busbw.png"),
+             plots.loss([train], artifacts / "loss.png")]
+    pngs = [name for name in drawn if name]
+    (artifacts / "report.md").write_text(markdown(env, bandwidth, lr_find, plan, train, pngs))
     tables = []
     if train.time_split:
         (artifacts / "time_split.md").write_text(split_table(train.time_split))
@@ -143,7 +93,7 @@ def run(cfg: ReportInputs, *, env: EnvResult, bandwidth: BandwidthResult, lr_fin
         (artifacts / "memory_audit.md").write_text(audit_table(plan.memory_audit))
         tables.append("memory_audit.md")
     return ReportResult(
-        files=["report.md", *plots, *tables],
+        files=["report.md", *pngs, *tables],
         scaling_efficiency=train.scaling_efficiency,
         samples_per_s=train.samples_per_s,
     )

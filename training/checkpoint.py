@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from training import strategies
 from training.dist import is_dist, is_main, rank
 from training.files import write_atomic
 from training.loop import Resume
@@ -79,7 +80,7 @@ def load(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, layout:
         return None
     meta = json.loads(latest.read_text())
     saved = Layout(meta["strategy"], meta["world_size"])
-    if (zero1 or saved.strategy == "zero1") and saved != layout:
+    if (zero1 or strategies.get(saved.strategy).shards_optimizer_only) and saved != layout:
         raise ValueError(
             f"checkpoint {root / meta['path']} was written by {saved.strategy} at world {saved.world_size}; zero1's "
             f"optimizer shards reload only into zero1 at the same world size (this run: {layout.strategy} at world "

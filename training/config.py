@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from training import strategies
+
 
 class ConfigError(ValueError):
     """A user-facing configuration error: the key, the bad value and what is allowed."""
@@ -34,19 +36,7 @@ def _one_of(key: str, value: str, options: tuple[str, ...]) -> None:
         raise ConfigError(key, value, f"must be one of {', '.join(options)}")
 
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "tp", "pp", "hybrid", "auto")
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
-# Degrees of each strategy; -1 takes the ranks left over. `auto` resolves to the plan's choice.
-PRESETS = {
-    "ddp": {"dp_replicate": -1, "dp_shard": 1, "tp": 1, "pp": 1},
-    "zero1": {"dp_replicate": -1, "dp_shard": 1, "tp": 1, "pp": 1},
-    "zero2": {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "pp": 1},
-    "zero3": {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "pp": 1},
-    "tp": {"dp_replicate": 1, "dp_shard": 1, "tp": -1, "pp": 1},
-    "pp": {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": -1},
-    "hybrid": {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "pp": 1},
-    "auto": {"dp_replicate": -1, "dp_shard": 1, "tp": 1, "pp": 1},
-}
 PP_SCHEDULES = ("gpipe", "1f1b")
 AC_MODES = ("none", "full")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -140,9 +130,7 @@ class DataConfig(TargetConfig):
 @dataclass(frozen=True)
 class StrategyConfig:
     name: str = "ddp"
-    """`ddp` (replicate), `zero1` (shard optimizer state), `zero2` (also gradients), `zero3` (also
-    parameters), `tp` (tensor parallel), `pp` (pipeline parallel), `hybrid` (all four degrees as
-    given), or `auto` (the plan stage's recommendation)."""
+    """A registered strategy (training/strategies/: ddp, zero1, zero2, zero3, tp, pp, hybrid, auto)."""
     dp_replicate: int | None = None
     """Data-parallel replicas; null takes the strategy's preset; -1 means the leftover ranks."""
     dp_shard: int | None = None
@@ -171,7 +159,7 @@ class StrategyConfig:
     """DDP/zero1: time each gradient bucket's all-reduce through a comm hook and log it."""
 
     def __post_init__(self) -> None:
-        _one_of("name", self.name, STRATEGIES)
+        _one_of("name", self.name, strategies.names())
         for key in ("dp_replicate", "dp_shard", "tp", "pp"):
             value = getattr(self, key)
             if value is not None and (value == 0 or value < -1):
@@ -184,17 +172,19 @@ class StrategyConfig:
 
     def degrees(self) -> dict[str, int]:
         """dp_replicate, dp_shard, tp, pp: the explicit ones, else the strategy's preset."""
-        preset = PRESETS[self.name]
+        preset = strategies.get(self.name).degrees
         return {k: getattr(self, k) if getattr(self, k) is not None else preset[k] for k in DEGREES}
 
     @property
     def shards_optimizer_only(self) -> bool:
-        """zero1: DDP for gradients, ZeRO's optimizer for sharded optimizer state."""
-        return self.name == "zero1"
+        """ZeRO-1: DDP for gradients, ZeRO's optimizer for sharded optimizer state."""
+        return strategies.get(self.name).shards_optimizer_only
 
     @property
     def reshard(self) -> bool:
-        return self.reshard_after_forward if self.reshard_after_forward is not None else self.name != "zero2"
+        if self.reshard_after_forward is not None:
+            return self.reshard_after_forward
+        return strategies.get(self.name).reshard_after_forward
 
 
 @dataclass(frozen=True)
@@ -375,8 +365,9 @@ class PlanConfig:
         if self.overlap is not None and not 0 <= self.overlap <= 1:
             raise ConfigError("overlap", self.overlap, "must be in [0, 1]")
         for name in self.strategies or []:
-            if name not in STRATEGIES or name == "auto":
-                raise ConfigError("strategies", name, "must be among ddp, zero1, zero2, zero3, tp, pp, hybrid")
+            allowed = [n for n in strategies.names() if n != "auto"]
+            if name not in allowed:
+                raise ConfigError("strategies", name, f"must be among {', '.join(allowed)}")
         for name in self.precisions or []:
             _one_of("precisions", name, PRECISIONS)
         _at_least("trials", self.trials, 0)

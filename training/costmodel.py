@@ -18,6 +18,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from training import strategies
+from training.parallel.dims import ParallelDims
+
 COSTMODEL_VERSION = 3
 """Bumped when the predicted components change meaning (2: per-call latency, measured strategy
 overhead; 3: FSDP gathers per micro-batch, the last bucket's reduction never hidden, recomputation
@@ -75,22 +78,6 @@ class Anatomy:
 
 
 @dataclass(frozen=True)
-class Degrees:
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp
-
-
-@dataclass(frozen=True)
 class Memory:
     param_bytes: float
     grad_bytes: float
@@ -102,7 +89,7 @@ class Memory:
         return self.param_bytes + self.grad_bytes + self.optim_bytes + self.activation_bytes
 
 
-def params_per_rank(shape: Shape, d: Degrees) -> float:
+def params_per_rank(shape: Shape, d: ParallelDims) -> float:
     """Parameters one rank holds before data-parallel sharding: TP splits the block linears,
     PP keeps a 1/pp share of the blocks plus the heaviest end (first or last stage)."""
     linears = shape.block_linear_params
@@ -113,16 +100,21 @@ def params_per_rank(shape: Shape, d: Degrees) -> float:
     return per_block / d.pp + max(shape.first_stage_params, shape.last_stage_params)
 
 
-def state_memory(shape: Shape, strategy: str, d: Degrees, mixed: bool, reshard: bool = True) -> Memory:
-    """Parameters, gradients and optimizer state per rank (the ZeRO paper's accounting)."""
+def state_memory(shape: Shape, strategy: str, d: ParallelDims, mixed: bool, reshard: bool = True) -> Memory:
+    """Parameters, gradients and optimizer state per rank (the ZeRO paper's accounting): what the
+    strategy shards (ZeRO-1 over every data-parallel rank, FSDP over dp_shard) divided by its
+    ranks; a layout strategy that declares nothing (tp, pp, hybrid) shards all three when its
+    dp_shard is above 1 (FSDP)."""
     p_bytes, g_bytes, o_bytes = ADAM_MIXED if mixed else ADAM_FP32
     psi = params_per_rank(shape, d)
-    shard = d.dp_shard
-    if strategy == "zero1":
-        return Memory(p_bytes * psi, g_bytes * psi, o_bytes * psi / d.dp, 0)
-    if strategy == "zero2" or (shard > 1 and not reshard):
-        return Memory(p_bytes * psi, g_bytes * psi / shard, o_bytes * psi / shard, 0)
-    return Memory(p_bytes * psi / shard, g_bytes * psi / shard, o_bytes * psi / shard, 0)
+    s = strategies.get(strategy)
+    if s.shards_optimizer_only:
+        return Memory(p_bytes * psi, g_bytes * psi, o_bytes * psi / d.dp_size, 0)
+    shards = s.shards or (frozenset(("optimizer", "gradients", "parameters")) if not s.is_flavour else frozenset())
+    over = d.dp_shard
+    keeps_params = "parameters" not in shards or not (reshard and s.reshard_after_forward)
+    return Memory(p_bytes * psi / (1 if keeps_params else over), g_bytes * psi / (over if "gradients" in shards else 1),
+                  o_bytes * psi / (over if "optimizer" in shards else 1), 0)
 
 
 def activation_tensor_bytes(batch: int, seq: int, hidden: int, dtype_bytes: int) -> int:
@@ -223,7 +215,7 @@ def fsdp_units(shape: Shape) -> int:
     return shape.layers + 1
 
 
-def comm_time(shape: Shape, strategy: str, d: Degrees, micro_batch: int, grad_accum: int, microbatches: int,
+def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, grad_accum: int, microbatches: int,
               dtype_bytes: int, link: Callable[[str, int], Link], bucket_cap_bytes: float = 25 * 1024**2,
               clip: bool = False) -> Comm:
     """Per-step communication of each strategy in seconds (ZeRO's, Megatron's and GPipe's
@@ -233,7 +225,7 @@ def comm_time(shape: Shape, strategy: str, d: Degrees, micro_batch: int, grad_ac
     psi = params_per_rank(shape, d)
     grads = 4 * psi  # reduced in fp32 (DDP's buckets; FSDP's reduce_dtype)
     params = dtype_bytes * psi
-    n, world = d.dp, d.world
+    n, world = d.dp_size, d.world_size
     units = fsdp_units(shape)
 
     made = 0
@@ -253,7 +245,8 @@ def comm_time(shape: Shape, strategy: str, d: Degrees, micro_batch: int, grad_ac
         # and under ZeRO-3 (reshard after forward) another all-gather before its backward -
         # except the root's, which FSDP keeps from forward to backward. The gathers come back
         # for every micro-batch of an accumulating step; the reduce-scatter once per step.
-        regathered = shape.params - shape.first_stage_params - shape.last_stage_params if strategy != "zero2" else 0
+        resharded = strategies.get(strategy).reshard_after_forward
+        regathered = shape.params - shape.first_stage_params - shape.last_stage_params if resharded else 0
         dp_s = (call("all_gather", params * grad_accum, n, units * grad_accum)
                 + call("all_gather", dtype_bytes * regathered / d.tp / d.pp * grad_accum, n, (units - 1) * grad_accum)
                 + call("reduce_scatter", grads, n, units))
@@ -264,7 +257,7 @@ def comm_time(shape: Shape, strategy: str, d: Degrees, micro_batch: int, grad_ac
         buckets = ddp_buckets(grads, bucket_cap_bytes)
         dp_s = call("all_reduce", grads, n, buckets)
         tail = link("all_reduce", world).time("all_reduce", min(grads, bucket_cap_bytes), n)
-        if strategy == "zero1":  # then each rank's updated partition to the others
+        if strategies.get(strategy).shards_optimizer_only:  # then each rank's updated partition to the others
             dp_s += call("all_gather", params, n)
     activation = activation_tensor_bytes(micro_batch, shape.seq_len, shape.hidden, dtype_bytes)
     layers = math.ceil(shape.layers / d.pp)
@@ -295,7 +288,7 @@ class StepPrediction:
         return self.compute_s + self.overhead_s + self.exposed_comm_s + self.bubble_s
 
 
-def step_time(compute_s: float, comm: Comm, d: Degrees, microbatches: int, overlap: float,
+def step_time(compute_s: float, comm: Comm, d: ParallelDims, microbatches: int, overlap: float,
               overhead_s: float = 0.0) -> StepPrediction:
     """compute + the strategy's overhead + exposed communication + pipeline bubble.
 
@@ -515,17 +508,7 @@ def fit_calibration(points: list[MeasuredStep]) -> Calibration | None:
     )
 
 
-PRESET_DEGREES = {
-    "ddp": lambda n: Degrees(dp_replicate=n),
-    "zero1": lambda n: Degrees(dp_replicate=n),
-    "zero2": lambda n: Degrees(dp_shard=n),
-    "zero3": lambda n: Degrees(dp_shard=n),
-    "tp": lambda n: Degrees(tp=n),
-    "pp": lambda n: Degrees(pp=n),
-}
-
-
-def feasible(shape: Shape, d: Degrees, w: Workload) -> bool:
+def feasible(shape: Shape, d: ParallelDims, w: Workload) -> bool:
     """Whether the model can be laid out so: TP needs a plan whose widths and heads it divides; PP
     a declared layout, a block per stage and microbatches that divide the micro-batch."""
     if d.tp > 1 and (shape.block_linear_params == 0 or any(size % d.tp for size in shape.tp_sizes)):
@@ -535,7 +518,7 @@ def feasible(shape: Shape, d: Degrees, w: Workload) -> bool:
     return True
 
 
-def memory_per_device(w: Workload, strategy: str, d: Degrees) -> float:
+def memory_per_device(w: Workload, strategy: str, d: ParallelDims) -> float:
     """Parameters, gradients and optimizer state (the ZeRO paper's accounting) plus the measured
     activations: a pipeline stage holds its share of the blocks for the microbatches in flight
     (min(m, p) of m under 1F1B), tensor parallelism splits them over its ranks."""
@@ -549,11 +532,11 @@ def memory_per_device(w: Workload, strategy: str, d: Degrees) -> float:
 def predict(w: Workload, hw: Hardware, strategy: str, devices: int, memory_limit: float, overlap: float,
             single_device_samples_per_s: float, calibration: Calibration | None = None) -> Prediction | None:
     """A pure strategy on `devices` (its preset degrees); see predict_layout."""
-    return predict_layout(w, hw, strategy, PRESET_DEGREES[strategy](devices), memory_limit, overlap,
+    return predict_layout(w, hw, strategy, ParallelDims(**strategies.get(strategy).degrees_on(devices)), memory_limit, overlap,
                           single_device_samples_per_s, calibration)
 
 
-def predict_layout(w: Workload, hw: Hardware, flavour: str, d: Degrees, memory_limit: float, overlap: float,
+def predict_layout(w: Workload, hw: Hardware, flavour: str, d: ParallelDims, memory_limit: float, overlap: float,
                    single_device_samples_per_s: float, calibration: Calibration | None = None,
                    name: str | None = None) -> Prediction | None:
     """Step time, throughput, memory and efficiency of the layout `d` whose data parallelism is
@@ -563,7 +546,7 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: Degrees, memory_l
     if not feasible(w.shape, d, w):
         return None
     name = name or flavour
-    devices = d.world
+    devices = d.world_size
     dtype_bytes = 2 if w.mixed else 4
     comm = comm_time(w.shape, flavour, d, w.micro_batch, w.grad_accum, w.microbatches, dtype_bytes, hw.link,
                      w.bucket_cap_bytes, w.clip)
@@ -574,7 +557,7 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: Degrees, memory_l
     step_s = step.step_s
     if calibration is not None:
         step_s = calibration.step_s(name, step)
-    samples_per_s = w.micro_batch * w.grad_accum * d.dp / step_s
+    samples_per_s = w.micro_batch * w.grad_accum * d.dp_size / step_s
     memory = memory_per_device(w, flavour, d)
     return Prediction(
         strategy=name,

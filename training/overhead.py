@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from training import strategies as registry
 from training.config import ModelConfig, StrategyConfig
 from training.dist import synchronize
 from training.models import Batch, LossFn
@@ -32,9 +33,6 @@ from training.models.spec import ContractError
 
 if TYPE_CHECKING:
     from training.parallel.compose import Parallel
-
-MEASURED_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "tp")
-"""The strategies whose wrapper runs on one rank (a pipeline needs two stages)."""
 
 
 @dataclass(frozen=True)
@@ -97,8 +95,9 @@ def measure_overheads(
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    wanted = [s for s in strategies if s in MEASURED_STRATEGIES]
-    not_measured = {s: "a pipeline needs two stages: not measurable on one rank" for s in strategies if s == "pp"}
+    declared = {s: registry.get(s) for s in strategies}
+    wanted = [s for s, d in declared.items() if d.not_alone is None]
+    not_measured = {s: d.not_alone for s, d in declared.items() if d.not_alone is not None}
     seconds: dict[str, float] = {}
     bare_times: list[float] = []
     base = dataclasses.replace(base, activation_checkpointing="none")

@@ -22,9 +22,9 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from training import strategies
 from training.costmodel import (
     Calibration,
-    Degrees,
     Hardware,
     Prediction,
     Shape,
@@ -32,12 +32,9 @@ from training.costmodel import (
     feasible,
     predict_layout,
 )
+from training.parallel.dims import ParallelDims
 from training.units import GIB
 
-FLAVOURS = ("ddp", "zero1", "zero2", "zero3")
-"""How data parallelism holds the model: replicate (ddp), shard the optimizer (zero1), also the
-gradients (zero2), also the parameters (zero3)."""
-SIMPLICITY = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 TOP = 10
 TIE = 0.01
 
@@ -100,8 +97,8 @@ class Candidate:
     """The cost model's components (compute, exposed communication, bubble, calls)."""
 
     @property
-    def degrees(self) -> Degrees:
-        return Degrees(self.dims["dp_replicate"], self.dims["dp_shard"], self.dims["tp"], self.dims["pp"])
+    def degrees(self) -> ParallelDims:
+        return ParallelDims(self.dims["dp_replicate"], self.dims["dp_shard"], self.dims["tp"], self.dims["pp"])
 
     @property
     def non_trivial(self) -> int:
@@ -112,14 +109,14 @@ class Candidate:
         out = [f"strategy={self.strategy}"]
         if self.strategy == "hybrid":
             out += [f"strategy.{k}={self.dims[k]}" for k in ("dp_replicate", "dp_shard", "tp", "pp")]
-            if self.flavour == "zero2":
+            if not strategies.get(self.flavour).reshard_after_forward:
                 out.append("strategy.reshard_after_forward=false")
         out += [] if global_batch is not None else [f"train.micro_batch={self.micro_batch}"]
         out += [f"train.grad_accum={self.grad_accum}", f"strategy.precision={self.precision}",
                 f"strategy.activation_checkpointing={self.activation_checkpointing}"]
         if self.dims["pp"] > 1:
             out += [f"strategy.pp_schedule={self.pp_schedule}", f"strategy.microbatches={self.microbatches}"]
-        if self.flavour in ("ddp", "zero1") and self.dims["dp_replicate"] > 1:
+        if strategies.get(self.flavour).wrapper == "ddp" and self.dims["dp_replicate"] > 1:
             out.append(f"strategy.bucket_cap_mb={self.bucket_cap_mb:g}")
         return out
 
@@ -132,14 +129,13 @@ class Searched:
     """Predictions the search made."""
 
 
-def strategy_name(flavour: str, d: Degrees) -> str:
-    """What a layout is called: a pure strategy when it is one, else hybrid."""
-    if d.tp == 1 and d.pp == 1:
-        return flavour if (d.dp_replicate == 1 or d.dp_shard == 1) else "hybrid"
-    if d.dp == 1 and d.pp == 1:
-        return "tp"
-    if d.dp == 1 and d.tp == 1:
-        return "pp"
+def strategy_name(flavour: str, d: ParallelDims) -> str:
+    """What a layout is called: the pure strategy whose preset it is (a data-parallel one by its
+    flavour, a layout one with plain replicas), else `hybrid`, the strategy of any degrees."""
+    for s in strategies.REGISTRY.values():
+        if s.pure and ParallelDims(**s.degrees_on(d.world_size)) == d and (
+                s.name == flavour if s.is_flavour else flavour == strategies.flavours()[0].name):
+            return s.name
     return "hybrid"
 
 
@@ -147,7 +143,7 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def layouts(world: int, shape: Shape) -> Iterator[tuple[str, Degrees]]:
+def layouts(world: int, shape: Shape) -> Iterator[tuple[str, ParallelDims]]:
     """Every (flavour, degrees) the model and the implementation allow on `world` devices."""
     for tp in divisors(world):
         if tp > 1 and (shape.block_linear_params == 0 or any(size % tp for size in shape.tp_sizes)):
@@ -157,15 +153,15 @@ def layouts(world: int, shape: Shape) -> Iterator[tuple[str, Degrees]]:
                 continue
             dp = world // tp // pp
             for shard in divisors(dp):
-                d = Degrees(dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp)
+                d = ParallelDims(dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp)
                 if shard > 1:
-                    yield from (("zero2", d), ("zero3", d))
+                    yield from ((f.name, d) for f in strategies.flavours() if f.wrapper == "fsdp")
                 elif d.dp_replicate > 1 and tp == 1:
-                    yield from (("ddp", d), ("zero1", d))
+                    yield from ((f.name, d) for f in strategies.flavours() if f.wrapper == "ddp")
                 else:
                     # One replica, or replicas of a tensor-parallel model (DDP can't replicate
                     # DTensors: they go through FSDP's replicate mesh, which holds what DDP does).
-                    yield "ddp", d
+                    yield strategies.flavours()[0].name, d
 
 
 def batch_splits(space: Space, dp: int) -> list[tuple[int, int]]:
@@ -180,7 +176,7 @@ def batch_splits(space: Space, dp: int) -> list[tuple[int, int]]:
     return [(m, per_replica // m) for m in sorted(set(micros), reverse=True)]
 
 
-def pipeline_settings(space: Space, d: Degrees, micro: int) -> list[tuple[str, int]]:
+def pipeline_settings(space: Space, d: ParallelDims, micro: int) -> list[tuple[str, int]]:
     """(schedule, microbatches) for a pipeline: m in {p, 2p, 4p} dividing the micro-batch."""
     if d.pp == 1:
         return [("1f1b", 1)]
@@ -199,10 +195,10 @@ def search(space: Space, shape: Shape, hw: Hardware, tokens_per_sample: int, mod
         name = strategy_name(flavour, d)
         if space.strategies is not None and name not in space.strategies:
             continue
-        buckets = space.bucket_caps_mb if flavour in ("ddp", "zero1") and d.dp_replicate > 1 else (25.0,)
+        buckets = space.bucket_caps_mb if strategies.get(flavour).wrapper == "ddp" and d.dp_replicate > 1 else (25.0,)
         for variant in space.variants:
             single = 1.0 / variant.seconds_per_sample
-            for micro, accum in batch_splits(space, d.dp):
+            for micro, accum in batch_splits(space, d.dp_size):
                 fitted = False
                 for schedule, m in pipeline_settings(space, d, micro):
                     # DDP's buckets are a knob of one layout, not layouts of their own: the best one.
@@ -233,9 +229,9 @@ def search(space: Space, shape: Shape, hw: Hardware, tokens_per_sample: int, mod
     return Searched(rank(kept), evaluated)
 
 
-def _candidate(p: Prediction, flavour: str, d: Degrees, w: Workload, variant: Variant, schedule: str,
+def _candidate(p: Prediction, flavour: str, d: ParallelDims, w: Workload, variant: Variant, schedule: str,
                bucket: float, model_flops_per_sample: float, space: Space, command_prefix: str) -> Candidate:
-    per_device = p.samples_per_s / d.world
+    per_device = p.samples_per_s / d.world_size
     candidate = Candidate(
         strategy=p.strategy, flavour=flavour,
         dims={"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp},
@@ -257,7 +253,7 @@ def _with(candidate: Candidate, **changes: object) -> Candidate:
 
 
 def _simplicity(c: Candidate) -> tuple:
-    return (c.non_trivial, SIMPLICITY[c.flavour], c.activation_checkpointing != "none", -c.micro_batch,
+    return (c.non_trivial, strategies.get(c.flavour).simplicity, c.activation_checkpointing != "none", -c.micro_batch,
             c.dims["tp"], c.dims["pp"], -c.bucket_cap_mb)
 
 

@@ -1,8 +1,8 @@
 """A user's own model and data, in a directory outside this repository, through every stage.
 
-The worked example of the README ("Your own model") is extracted from the README itself, written
-into a temporary directory and run with exactly the README's commands: if the README drifts from
-what works, this fails. Then the same model at world 2 against one process, step for step, and
+The worked example of docs/your-model.md is extracted from that page itself, written into a
+temporary directory and run with exactly its commands: if the page drifts from what works, this
+fails. Then the same model at world 2 against one process, step for step, and
 each bad declaration as the one-line error a user gets."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ STAGES = ["env", "bandwidth", "lr_find", "plan", "train", "report"]
 
 
 def readme_example() -> tuple[dict[str, str], str, list[str]]:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "your-model.md").read_text()
     files = dict(FILE.findall(text))
     (workdir, script), = COMMANDS.findall(text)
     return files, workdir, [line for line in script.splitlines() if line.strip()]
@@ -35,7 +35,7 @@ def readme_example() -> tuple[dict[str, str], str, list[str]]:
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    """The README's files, written outside the repository."""
+    """The example's files, written outside the repository."""
     root = tmp_path_factory.mktemp("outside")
     assert ROOT not in root.parents
     files, workdir, _ = readme_example()
@@ -61,7 +61,7 @@ def run_py(project: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def readme_runs(project) -> list[dict]:
-    """Every command of the README's example, exactly as written, in order."""
+    """Every command of the example, exactly as written, in order."""
     _, _, lines = readme_example()
     assert lines[0] == "export PYTHONPATH=$PWD"
     summaries = []

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.launchers.base import StageFailed, Task, WorldSpec
-from pipelines.schema import LauncherConfig
+from pipelines.schema import RayLauncherConfig
 from stages.env_check import EnvInputs
 from tests.dist.test_strategies import TOL, train_inputs
 from tests.helpers import run_world
@@ -46,7 +46,7 @@ def test_an_unreachable_address_is_a_config_error_at_once(tmp_path):
 
     start = time.monotonic()
     with pytest.raises(ConfigError, match=r"launcher\.address='127\.0\.0\.1:1': cannot reach a Ray cluster"):
-        RayLauncher(LauncherConfig(name="ray", address="127.0.0.1:1"), tmp_path)
+        RayLauncher(RayLauncherConfig(address="127.0.0.1:1"), tmp_path)
     assert time.monotonic() - start < 10
 
 
@@ -55,7 +55,7 @@ class TestLocalInstance:
     def launcher(self, ray_env, tmp_path_factory):
         from pipelines.launchers.ray import RayLauncher
 
-        launcher = RayLauncher(LauncherConfig(name="ray", max_failures=1, timeout_s=60), tmp_path_factory.mktemp("run"))
+        launcher = RayLauncher(RayLauncherConfig(max_failures=1, timeout_s=60), tmp_path_factory.mktemp("run"))
         try:
             yield launcher
         finally:
@@ -118,7 +118,7 @@ class TestTwoNodeCluster:
         try:
             cluster.add_node(num_cpus=1)
             cluster.wait_for_nodes()
-            cfg = LauncherConfig(name="ray", address=cluster.address, spread_nodes=True, timeout_s=15)
+            cfg = RayLauncherConfig(address=cluster.address, spread_nodes=True, timeout_s=15)
             launcher = RayLauncher(cfg, tmp_path_factory.mktemp("run"))
             yield launcher
         finally:

@@ -18,7 +18,7 @@ import pytest
 
 from pipelines.launchers.base import StageFailed, Task, WorldSpec
 from pipelines.launchers.local import LocalLauncher
-from pipelines.schema import LauncherConfig
+from pipelines.schema import LauncherConfig, SlurmLauncherConfig
 from tests.dist.test_strategies import TOL, train_inputs
 from tests.helpers import ON_CI, SLURM_UP, asked_statuses, need_slurm, slurm_problem
 from training.config import EnvConfig, StrategyConfig
@@ -44,7 +44,7 @@ def slurm(tmp_path):
     made = []
 
     def make(run_dir: Path, **overrides: Any) -> Any:
-        made.append(SlurmLauncher(LauncherConfig(name="slurm", poll_s=0.3, timeout_min=5, **overrides), run_dir))
+        made.append(SlurmLauncher(SlurmLauncherConfig(poll_s=0.3, timeout_min=5, **overrides), run_dir))
         return made[-1]
 
     yield make

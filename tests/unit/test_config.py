@@ -43,12 +43,14 @@ BAD = [
     (["strategy=tp", "model=mlp", "data=blobs"], "strategy.tp=2: model=mlp has no tensor-parallel plan"),
     (["strategy.precision=fp16"], "strategy.precision='fp16': needs CUDA"),
     (["strategy.tp=0"], "strategy.tp=0: must be >= 1, -1"),
-    (["launcher.setup=['export HF_TOKEN=abc']"], "launcher.setup='export HF_TOKEN=***': would write a secret"),
+    (["launcher=slurm", "launcher.setup=['export HF_TOKEN=abc']"],
+     "launcher.setup='export HF_TOKEN=***': would write a secret"),
+    (["launcher.setup=['export HF_TOKEN=abc']"], "HF_TOKEN=***\": an option of launcher=slurm, not of launcher=local"),
     (["cluster=h100-80g-ndr", "cluster.peak_flops=null"], "cluster.peak_flops=None: cluster=h100-80g-ndr describes"),
     (["cluster.devices_per_node=0"], "cluster.devices_per_node=0"),
     (["plan.overlap=2"], "plan.overlap=2.0: must be in [0, 1]"),
     (["launcher=ray", "launcher.address=nowhere"], "launcher.address='nowhere'"),
-    (["launcher.max_failures=-1"], "launcher.max_failures=-1"),
+    (["launcher=ray", "launcher.max_failures=-1"], "launcher.max_failures=-1"),
     (["train.global_batch=7"], "train.global_batch=7: must be a multiple of data-parallel size 2"),
     (["model=huge"], "model=huge: no such option"),
     (["nodes=abc"], "nodes=abc"),
@@ -74,6 +76,12 @@ BAD = [
     (["launcher.timeout_s=-5"], "launcher.timeout_s=-5.0"),
     (["tracking.experiment="], "tracking.experiment"),
     (["cache_dir=/proc/nope/cache"], "cache_dir='/proc/nope/cache': must be a writable directory"),
+    # Each launcher owns its options: another launcher's key is an error naming the one that has it.
+    (["launcher=local", "launcher.partition=gpu"], "launcher.partition='gpu': an option of launcher=slurm, not of "
+     "launcher=local"),
+    (["launcher=slurm", "launcher.address=auto"], "launcher.address='auto': an option of launcher=ray, not of "
+     "launcher=slurm"),
+    (["+launcher.max_requeues=2"], "launcher.max_requeues=2: an option of launcher=slurm, not of launcher=local"),
 ]
 
 

@@ -11,7 +11,6 @@ from training.anatomy import measure_anatomy
 from training.config import ModelConfig
 from training.costmodel import (
     BUS_FACTOR,
-    Degrees,
     Link,
     Shape,
     activation_tensor_bytes,
@@ -22,6 +21,7 @@ from training.costmodel import (
 from training.data import first_samples, markov
 from training.models import build_model, model_loss
 from training.models.spec import model_spec
+from training.parallel.dims import ParallelDims
 
 GB, MIB = 1e9, 1024**2
 
@@ -88,7 +88,7 @@ def test_the_meta_device_measures_what_the_cpu_measures():
 def test_zero_paper_7_5b_on_64_gpus():
     """Figure 1 of the ZeRO paper: Ψ = 7.5 B, N_d = 64, K = 12."""
     shape = flat(7.5e9)
-    replicated, sharded = Degrees(dp_replicate=64), Degrees(dp_shard=64)
+    replicated, sharded = ParallelDims(dp_replicate=64), ParallelDims(dp_shard=64)
     assert state_memory(shape, "ddp", replicated, mixed=True).total == pytest.approx(120 * GB)
     assert state_memory(shape, "zero1", replicated, mixed=True).total == pytest.approx(31.4 * GB, rel=1e-3)
     assert state_memory(shape, "zero2", sharded, mixed=True).total == pytest.approx(16.6 * GB, rel=5e-3)
@@ -96,7 +96,7 @@ def test_zero_paper_7_5b_on_64_gpus():
 
 
 def test_bert_large_weights_grads_and_adam_in_fp32():
-    memory = state_memory(flat(340e6), "ddp", Degrees(), mixed=False)
+    memory = state_memory(flat(340e6), "ddp", ParallelDims(), mixed=False)
     assert (memory.param_bytes, memory.grad_bytes, memory.optim_bytes) == (1.36 * GB, 1.36 * GB, 2.72 * GB)
     assert memory.total == pytest.approx(5.44 * GB)
 
@@ -186,14 +186,14 @@ def test_every_collective_call_pays_the_latency_ddp_per_bucket_fsdp_per_unit():
     def dp(strategy, degrees, **kw):
         return comm_time(shape, strategy, degrees, 8, 1, 1, 4, lambda c, n: wire, **kw).data_parallel_s
 
-    assert dp("ddp", Degrees(dp_replicate=2)) == pytest.approx(alpha)
-    calls = comm_time(shape, "zero3", Degrees(dp_shard=2), 8, 1, 1, 4, lambda c, n: wire, clip=True).calls
+    assert dp("ddp", ParallelDims(dp_replicate=2)) == pytest.approx(alpha)
+    calls = comm_time(shape, "zero3", ParallelDims(dp_shard=2), 8, 1, 1, 4, lambda c, n: wire, clip=True).calls
     assert calls == 3 + 2 + 3 + 1
-    assert dp("zero3", Degrees(dp_shard=2)) == pytest.approx((3 + 2 + 3) * alpha)
-    assert dp("zero2", Degrees(dp_shard=2)) == pytest.approx((3 + 3) * alpha)
-    assert dp("zero3", Degrees(dp_shard=2), clip=True) == pytest.approx((3 + 2 + 3 + 1) * alpha)
+    assert dp("zero3", ParallelDims(dp_shard=2)) == pytest.approx((3 + 2 + 3) * alpha)
+    assert dp("zero2", ParallelDims(dp_shard=2)) == pytest.approx((3 + 3) * alpha)
+    assert dp("zero3", ParallelDims(dp_shard=2), clip=True) == pytest.approx((3 + 2 + 3 + 1) * alpha)
     # Ring latency grows with the ranks: 4 ranks pay (4 - 1) / (2 - 1) times the 2-rank latency.
-    assert dp("zero3", Degrees(dp_shard=4)) == pytest.approx(3 * (3 + 2 + 3) * alpha)
+    assert dp("zero3", ParallelDims(dp_shard=4)) == pytest.approx(3 * (3 + 2 + 3) * alpha)
 
 
 def test_latency_grows_along_a_ring_then_along_a_tree():
@@ -209,7 +209,7 @@ def test_a_large_gradient_fills_many_ddp_buckets():
 
     shape = flat(100 * MIB / 4)  # 100 MiB of fp32 gradients
     wire = Link(alpha_s=1e-3, busbw_gbps=float("inf"), world=2)
-    dp = comm_time(shape, "ddp", Degrees(dp_replicate=2), 8, 1, 1, 4, lambda c, n: wire,
+    dp = comm_time(shape, "ddp", ParallelDims(dp_replicate=2), 8, 1, 1, 4, lambda c, n: wire,
                    bucket_cap_bytes=25 * MIB).data_parallel_s
     assert dp == pytest.approx((1 + 4) * 1e-3)  # 1 MiB, then 99 MiB in four 25 MiB buckets
 
@@ -225,7 +225,7 @@ def test_the_strategy_overhead_is_on_the_critical_path_and_time_shares_a_cpu_hos
     assert cpu.strategy_overhead("pp", 4) == 0  # not measured
     gpu = dataclasses.replace(cpu, cores=None)
     assert gpu.strategy_overhead("zero3", 64) == pytest.approx(0.010)
-    step = step_time(0.020, Comm(0.004, 0.0, 0.0), Degrees(dp_shard=2), 1, overlap=0.0, overhead_s=0.010)
+    step = step_time(0.020, Comm(0.004, 0.0, 0.0), ParallelDims(dp_shard=2), 1, overlap=0.0, overhead_s=0.010)
     assert step.step_s == pytest.approx(0.020 + 0.010 + 0.004)
 
 

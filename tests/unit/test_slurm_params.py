@@ -12,15 +12,14 @@ from pathlib import Path
 import pytest
 
 from pipelines.launchers.base import WorldSpec
-from pipelines.schema import LauncherConfig
+from pipelines.schema import SlurmLauncherConfig
 
 GOLDEN = Path(__file__).parent / "golden"
 ROOT = Path(__file__).resolve().parents[2]
 UPDATE = "SCALESTUDY_UPDATE_GOLDEN"
-CFG = LauncherConfig(
-    name="slurm", partition="gpu", account="research", qos="high", constraint="a100", gpus_per_node=4,
-    cpus_per_task=8, mem_gb=256, timeout_min=120, setup=["module load cuda/12.4"],
-    additional_parameters={"exclusive": ""}, max_requeues=5,
+CFG = SlurmLauncherConfig(
+    partition="gpu", account="research", qos="high", constraint="a100", gpus_per_node=4, cpus_per_task=8, mem_gb=256,
+    timeout_min=120, setup=["module load cuda/12.4"], additional_parameters={"exclusive": ""}, max_requeues=5,
 )
 
 
@@ -44,7 +43,7 @@ def test_the_allocation_script_matches_the_golden_file(tmp_path, monkeypatch):
 def test_short_allocations_get_the_requeue_signal_inside_their_time_limit(tmp_path):
     from pipelines.launchers.slurm import sbatch_options
 
-    short = sbatch_options(LauncherConfig(name="slurm", timeout_min=1), WorldSpec(1, 1), "x", tmp_path / "log")
+    short = sbatch_options(SlurmLauncherConfig(timeout_min=1), WorldSpec(1, 1), "x", tmp_path / "log")
     assert "#SBATCH --signal=B:USR2@30" in short
     assert not any(o.startswith(("#SBATCH --gpus", "#SBATCH --partition", "#SBATCH --mem")) for o in short)
 

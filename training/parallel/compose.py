@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from training import strategies
 from training.config import StrategyConfig
 from training.dist import is_dist, rank, world_size
 from training.models import Batch, LossFn, forward
@@ -71,11 +72,12 @@ def techniques(strategy: StrategyConfig, dims: ParallelDims, probe: bool = False
     """The techniques of `strategy` at `dims`. `probe`: apply the strategy's wrappers even at degree
     1 (the overhead probe measures them on a one-rank group)."""
     named = probe and dims.world_size == 1
-    tp = dims.tp_enabled or (named and strategy.name == "tp")
+    declared = strategies.get(strategy.name)
+    tp = dims.tp_enabled or (named and declared.degrees["tp"] == -1)
     # DDP cannot replicate DTensor (TP) parameters: replicas of a TP model go through HSDP instead.
     fsdp = dims.fsdp_enabled or (dims.dp_replicate_enabled and dims.tp_enabled) or (
-        named and strategy.name in ("zero2", "zero3"))
-    ddp = not fsdp and (dims.dp_replicate_enabled or (named and strategy.name in ("ddp", "zero1")))
+        named and declared.wrapper == "fsdp")
+    ddp = not fsdp and (dims.dp_replicate_enabled or (named and declared.wrapper == "ddp"))
     return Techniques(pp=dims.pp_enabled, tp=tp, fsdp=fsdp, ddp=ddp)
 
 

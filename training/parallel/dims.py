@@ -22,11 +22,13 @@ DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 
 @dataclass(frozen=True)
 class ParallelDims:
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    pp: int
-    world_size: int
+    """The four degrees of a layout. The cost model predicts with them, the parallel code builds
+    its mesh from them: one class for both."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
 
     @classmethod
     def resolve(cls, dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int) -> ParallelDims:
@@ -52,7 +54,11 @@ class ParallelDims:
                 f"strategy degrees pp x dp_replicate x dp_shard x tp = {degrees['pp']} x {degrees['dp_replicate']} x "
                 f"{degrees['dp_shard']} x {degrees['tp']} = {product}, but the world size is {world_size}"
             )
-        return cls(world_size=world_size, **degrees)
+        return cls(**degrees)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.tp * self.pp
 
     @property
     def dp_size(self) -> int:

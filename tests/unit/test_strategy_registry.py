@@ -1,0 +1,85 @@
+"""A strategy is one declaration: registering a toy one makes the config accept it, parallelize
+apply it, the dry run lay it out, the overhead probe measure it and the cost model and advisor
+predict it, with no other file touched."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from training import strategies
+from training.config import ConfigError, StrategyConfig
+from training.strategies import Strategy
+
+TOY = Strategy(name="toyshard", summary="FSDP sharding gradients and optimizer state, under another name",
+               degrees={"dp_replicate": 1, "dp_shard": -1, "tp": 1, "pp": 1}, wrapper="fsdp",
+               shards=frozenset({"optimizer", "gradients"}), reshard_after_forward=False)
+
+
+@pytest.fixture
+def toy():
+    strategies.register(TOY)
+    yield TOY
+    strategies.REGISTRY.pop(TOY.name)
+
+
+def test_the_config_accepts_a_registered_strategy_and_reads_its_declaration(toy):
+    cfg = StrategyConfig(name="toyshard")
+    assert cfg.degrees() == {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "pp": 1}
+    assert cfg.reshard is False and not cfg.shards_optimizer_only
+
+
+def test_an_unregistered_strategy_is_one_line_listing_the_registered_ones():
+    with pytest.raises(ConfigError, match=r"name='toyshard': must be one of ddp, zero1, zero2, zero3, tp, pp"):
+        StrategyConfig(name="toyshard")
+
+
+def test_parallelize_applies_it_and_the_dry_run_lays_it_out(toy):
+    from tests.unit.test_dryrun import FULL_PARAM_BYTES, SMALL
+    from training.parallel.compose import resolve_dims, techniques
+    from training.parallel.dryrun import plan_layout
+
+    cfg = StrategyConfig(name="toyshard")
+    assert techniques(cfg, resolve_dims(cfg, 8)) == techniques(StrategyConfig(name="zero2"),
+                                                               resolve_dims(StrategyConfig(name="zero2"), 8))
+    (share,) = plan_layout(SMALL, cfg, 8)
+    assert share.param_bytes == pytest.approx(FULL_PARAM_BYTES, rel=0.01), "parameters kept through backward"
+    assert share.grad_bytes == pytest.approx(FULL_PARAM_BYTES / 8, rel=0.01)
+
+
+def test_the_cost_model_and_the_advisor_predict_it_from_its_declaration(toy, compose_cfg):
+    from stages.advice import pure
+    from tests.unit.test_advisor import plan_inputs
+    from training.costmodel import Shape, state_memory
+    from training.parallel.dims import ParallelDims
+
+    shape = Shape(params=10**9, layers=10, block_linear_params=0, hidden=1024, seq_len=512, heads=16,
+                  first_stage_params=0, last_stage_params=0)
+    d = ParallelDims(dp_shard=8)
+    assert state_memory(shape, "toyshard", d, mixed=False) == state_memory(shape, "zero2", d, mixed=False)
+    assert "toyshard" in pure()
+    from stages.plan import whatif
+
+    result = whatif(dataclasses.replace(plan_inputs(compose_cfg, "cluster=h100-80g-ndr", "model=gpt-1b", "nodes=1"),
+                                        strategy=StrategyConfig(name="toyshard")))
+    mine = result.requested
+    assert mine.strategy == "toyshard" and mine.dims["dp_shard"] == 8
+    assert any(r.startswith("toyshard: ") for r in result.reasons) or result.recommended.strategy == "toyshard"
+
+
+def test_the_overhead_probe_measures_it_on_one_rank(toy):
+    import torch
+
+    from training.config import ModelConfig
+    from training.data import first_samples, markov
+    from training.models import build_model, model_loss
+    from training.overhead import measure_overheads
+
+    cfg = ModelConfig(kwargs=dict(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2))
+    model = build_model(cfg, seed=0)
+    batch = first_samples(markov(8, 16, 64), 4)
+    got = measure_overheads(model, cfg, model_loss(cfg), batch, ["toyshard", "pp"], torch.device("cpu"), None,
+                            StrategyConfig(), rounds=1, steps=1)
+    assert set(got.seconds) == {"toyshard"} and got.seconds["toyshard"] >= 0
+    assert got.not_measured == {"pp": "a pipeline needs two stages: not measurable on one rank"}
