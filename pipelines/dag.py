@@ -13,7 +13,7 @@ import importlib
 import inspect
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from pipelines.schema import PipelineConfig, StageSpec
 from training.config import ConfigError
@@ -151,9 +151,17 @@ def _topological_order(stages: dict[str, Stage]) -> list[str]:
     return order
 
 
+@runtime_checkable
+class DerivedInputs(Protocol):
+    """A stage input class that derives its fields from the whole config instead of naming them."""
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Any: ...
+
+
 def stage_inputs(stage: Stage, cfg: Any) -> Any:
     """The stage's own frozen config: the top-level fields its input dataclass names, or what its
     `from_config` derives (lr_find keys on its batch, not on the strategy that implies it)."""
-    if hasattr(stage.inputs, "from_config"):
+    if isinstance(stage.inputs, DerivedInputs):
         return stage.inputs.from_config(cfg)
     return stage.inputs(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(stage.inputs)})

@@ -26,7 +26,15 @@ from pipelines.progress import StageProgress, progress_file
 from pipelines.redact import redact_mapping, redact_text, redact_tree
 from pipelines.schema import Config
 from pipelines.summary import SUMMARY_VERSION, SkipReason
-from pipelines.tracking import SUMMARY_ARTIFACT, HasChildRuns, Tracker, git_commit, make_tracker
+from pipelines.tracking import (
+    SUMMARY_ARTIFACT,
+    HasChildRuns,
+    HasHeadline,
+    HasMetrics,
+    Tracker,
+    git_commit,
+    make_tracker,
+)
 from pipelines.validate import keep_contract_facts
 from training.files import write_atomic
 
@@ -255,7 +263,7 @@ class Runner:
             self.cache.discard(staging)
             return Outcome("failed", time.perf_counter() - start, key, error=str(err), placement=where)
         seconds = time.perf_counter() - start
-        metrics = list(result.metrics()) if hasattr(result, "metrics") else []
+        metrics = list(result.metrics()) if isinstance(result, HasMetrics) else []
         origin = {"run_dir": str(self.run_dir), "mlflow_run_id": self.tracker.run_id, "measured_at": round(time.time(), 3),
                   "placement": where}
         if not stage.spec.cache:  # logged and published from staging, then discarded (Runner.run)
@@ -443,7 +451,7 @@ def summary_table(summary: Summary) -> str:
     """The closing table: one row per stage with its status, time and headline numbers."""
     rows = [("stage", "status", "seconds", "result")]
     for name, outcome in summary.stages.items():
-        if outcome.result is not None and hasattr(outcome.result, "headline"):
+        if isinstance(outcome.result, HasHeadline):
             text = outcome.result.headline()
         else:
             # The full error (a job's stderr tail, say) was printed when the stage failed;

@@ -160,8 +160,8 @@ def read_summary(data: Any) -> RunSummary:
         return _read(data)
     except ValueError as err:
         where = ""
-        if isinstance(data, dict):
-            where = f" of {data.get('run_dir') or 'MLflow run ' + str(data.get('mlflow_run_id'))}"
+        if isinstance(data, dict) and (data.get("run_dir") or data.get("mlflow_run_id")):
+            where = f" of {data.get('run_dir') or 'MLflow run ' + str(data['mlflow_run_id'])}"
         raise ValueError(f"summary.json{where} cannot be read: {err}") from None
 
 
@@ -213,7 +213,7 @@ def _stage(entry: Any, path: str) -> StageRecord:
     if result is not None:
         result = _build(result_type(fn), result, f"{path}.result")
     reason = entry["reason"]
-    if reason is not None and reason not in set(SkipReason):
+    if reason is not None and reason not in list(SkipReason):
         raise ValueError(f"{path}.reason={reason!r}: must be one of {', '.join(SkipReason)}")
     return StageRecord(**{**entry, "result": result, "reason": None if reason is None else SkipReason(reason)})
 
@@ -237,7 +237,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
     _check_keys(cls, data, path)
     try:
         return from_dict(cls, data, path)
-    except TypeError as err:  # a nested dataclass lacks a field
+    except (TypeError, AttributeError) as err:  # a nested dataclass lacks a field, a list or dict is not one
         raise ValueError(f"{path} does not match {cls.__name__} ({err})") from None
 
 

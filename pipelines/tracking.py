@@ -45,6 +45,20 @@ class ChildRun:
 
 
 @runtime_checkable
+class HasMetrics(Protocol):
+    """A stage result with numbers for MLflow: (key, value, step) triples."""
+
+    def metrics(self) -> list[tuple[str, float, int]]: ...
+
+
+@runtime_checkable
+class HasHeadline(Protocol):
+    """A stage result that says in one line what it found (the summary table's last column)."""
+
+    def headline(self) -> str: ...
+
+
+@runtime_checkable
 class HasChildRuns(Protocol):
     """A stage result some of whose measurements are runs of their own."""
 
