@@ -288,7 +288,7 @@ def bench_advisor() -> list[Row]:
     plan.trials=3 (the measured best of its three best); regret = the recommendation's measured
     samples/s / the best measured. Each point's train stage runs ADVISOR_REPEATS times (its plan and
     trials once) and counts by its median: identical runs on this host differ by up to 15 %."""
-    from stages.study_report import StudyRun, latest_per_point, ranks, regrets, table_rows
+    from reports.study import StudyRun, latest_per_point, ranks, regrets, table_rows
 
     common = ["experiment=smoke", "train.global_batch=16", "train.steps=40", "train.timing_warmup=5",
               "data.num_samples=1024", "tracking=none", "only=[env,bandwidth,lr_find,plan,trials,train]"]

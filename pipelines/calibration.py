@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 import json
 import statistics
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from pipelines.configtools import to_jsonable
 from pipelines.placement import Placement
@@ -44,15 +44,21 @@ def calibration_key(cfg: Any, placement: Placement | None) -> str:
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+@runtime_checkable
+class MeasuresStep(Protocol):
+    """A stage result that holds a measured step time beside the plan's prediction for it (the
+    train stage's). Calibration asks for this, not for a stage by name: the engine imports no stage."""
+
+    def measured_step(self) -> MeasuredStep | None: ...
+
+
 def measured_step(summary: RunSummary) -> MeasuredStep | None:
     """The trained step time beside its plan's uncalibrated components; None where nothing trained
     or the plan made no prediction for the run."""
-    from stages.train import TrainResult  # the stages build on the engine, not the other way
-
-    train = summary.result(TrainResult)
-    if train is None or train.prediction is None:
-        return None
-    return MeasuredStep(train.strategy, train.world_size, train.prediction.components, train.step_time_s)
+    for stage in summary.stages.values():
+        if isinstance(stage.result, MeasuresStep):
+            return stage.result.measured_step()
+    return None
 
 
 HISTORY_REPEATS = 3

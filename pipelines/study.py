@@ -4,7 +4,7 @@
 - `summaries_from_sweep` / `summaries_from_mlflow`: every invocation's summary.json, read
   (pipelines.summary), from the sweep dir or from the MLflow store it was logged to (pipeline=compare).
 - `StudyReportCallback`: Hydra's multirun callback that writes the study report
-  (pipelines/study_report.py, which the compare stage writes too) into the sweep
+  (reports/study.py, which the compare stage writes too) into the sweep
   dir when the sweep ends and records it in MLflow (a `kind=study` run: report and table), then
   prints the MLflow UI's URL of the study view.
 """
@@ -105,8 +105,8 @@ def _redacted(uri: str) -> str:
 def record_in_mlflow(tracking: TrackingConfig, study: str, folder: Path, rows: list[dict[str, Any]]) -> tuple[str, str]:
     """Record the study in MLflow (its report folder and its table, pipelines.tracking
     record_study); the record's run id and its experiment's id."""
-    from pipelines.study_report import columns
     from pipelines.tracking import MlflowTracker
+    from reports.study import columns
 
     tracker = MlflowTracker(tracking)
     table = {c: [row.get(c) for row in rows] for c in columns(rows)}
@@ -133,7 +133,7 @@ class StudyReportCallback(Callback):
     """At the end of a `-m` sweep: the study report in `<sweep dir>/study/`, and in MLflow."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        from pipelines.study_report import study_runs, write_study_report
+        from reports.study import study_runs, write_study_report
 
         sweep_dir = Path(str(config.hydra.sweep.dir))
         try:

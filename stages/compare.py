@@ -14,7 +14,7 @@ from typing import Any
 
 from pipelines.schema import TrackingConfig
 from pipelines.study import summaries_from_mlflow
-from pipelines.study_report import study_runs, write_study_report
+from reports.study import study_runs, write_study_report
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines import plots
+from reports import plots
 from stages.bandwidth import BandwidthResult
 from stages.env_check import EnvResult
 from stages.lr_find import LrFindResult

@@ -21,7 +21,7 @@ from stages.lr_find import LrFindResult
 from stages.plan import PlanResult
 from stages.trials import TrialsResult
 from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig
-from training.costmodel import StepPrediction
+from training.costmodel import MeasuredStep, StepPrediction
 from training.dist import gather_objects, rank, world_size
 from training.lr_finder import scale_lr
 from training.memory import StepProbe
@@ -178,6 +178,13 @@ class TrainResult:
             out += [("comm/ddp_bucket_allreduce_ms", ms, i) for i, ms in enumerate(self.bucket_allreduce_ms)]
         out += sample_metrics(self.system)
         return out + [(k, v, 0) for k, v in scalars.items()]
+
+    def measured_step(self) -> MeasuredStep | None:
+        """What calibration fits (pipelines/calibration.py): the measured step time beside the
+        uncalibrated components the plan predicted it from; None without a prediction."""
+        if self.prediction is None:
+            return None
+        return MeasuredStep(self.strategy, self.world_size, self.prediction.components, self.step_time_s)
 
     def headline(self) -> str:
         mfu = f", MFU {self.mfu_pct:.1f} %" if self.mfu_pct is not None else ""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from pipelines.configtools import to_jsonable
-from pipelines.study_report import StudyRun, latest_per_point, regrets, study_runs, table_rows, table_text
 from pipelines.summary import SUMMARY_VERSION, read_summary
+from reports.study import StudyRun, latest_per_point, regrets, study_runs, table_rows, table_text
 from stages.train import PredictionCheck, TrainResult
 from stages.trials import TrialsResult
 from training.costmodel import Prediction, StepPrediction

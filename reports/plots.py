@@ -1,4 +1,4 @@
-"""Every plot of the run report (stages/report.py) and the study report (pipelines/study_report.py).
+"""Every plot of the run report (stages/report.py) and the study report (reports/study.py).
 
 One function per plot, each drawn from the stages' typed results: the curves both reports show
 (the loss, the LR range test, the bus bandwidth) are one function each, given one run's results

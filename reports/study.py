@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines import plots
 from pipelines.summary import RunSummary, SkipReason
+from reports import plots
 from stages.bandwidth import VERDICT_COLLECTIVE, BandwidthResult
 from stages.lr_find import LrFindResult
 from stages.train import TrainResult
@@ -252,7 +252,7 @@ def table_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def _plots(runs: list[StudyRun], out: Path) -> list[tuple[str, str]]:
-    """Each plot (pipelines/plots.py) the study holds something to draw for: (title, file name)."""
+    """Each plot (reports/plots.py) the study holds something to draw for: (title, file name)."""
     trains = [r.train for r in runs if r.train]
     probes: dict[int, BandwidthResult] = {}
     for run in sorted(runs, key=lambda r: r.world_size):
