@@ -288,6 +288,7 @@ def bench_advisor() -> list[Row]:
     plan.trials=3 (the measured best of its three best); regret = the recommendation's measured
     samples/s / the best measured. Each point's train stage runs ADVISOR_REPEATS times (its plan and
     trials once) and counts by its median: identical runs on this host differ by up to 15 %."""
+    from pipelines.summary import read_summary
     from reports.study import StudyRun, latest_per_point, ranks, regrets, table_rows
 
     common = ["experiment=smoke", "train.global_batch=16", "train.steps=40", "train.timing_warmup=5",
@@ -306,7 +307,7 @@ def bench_advisor() -> list[Row]:
                 median = statistics.median(r["stages"]["train"]["result"]["samples_per_s"] for r in runs)
                 runs[-1]["stages"]["train"]["result"]["samples_per_s"] = median
                 summaries.append(runs[-1])
-    runs = latest_per_point([r for r in map(StudyRun.from_summary, summaries) if r is not None])
+    runs = latest_per_point([r for s in summaries if (r := StudyRun.from_summary(read_summary(s))) is not None])
     ranked = ranks(runs)
     for run, row in zip(runs, table_rows(runs), strict=True):
         measured, planned = ranked.get(id(run), (None, None))

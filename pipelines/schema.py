@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 
 from pipelines.configtools import Tagged, hydra_schema
-from pipelines.redact import redact_text
+from pipelines.redact import redact_mapping, redact_text
 from training.config import (
     BandwidthConfig,
     ClusterConfig,
@@ -196,6 +196,10 @@ class SlurmLauncherConfig(LauncherConfig):
             if redact_text(line) != line:
                 raise ConfigError("setup", redact_text(line), "would write a secret into generated job scripts; "
                                   "export it in the submitting shell instead (Slurm passes the environment on)")
+        shown = redact_mapping(self.additional_parameters)  # #SBATCH lines of the allocation's script, too
+        if shown != self.additional_parameters:
+            raise ConfigError("additional_parameters", shown, "would write a secret into generated job scripts; "
+                              "export it in the submitting shell instead (Slurm passes the environment on)")
 
 
 LAUNCHER_SCHEMAS: dict[str, type[LauncherConfig]] = {

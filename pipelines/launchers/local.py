@@ -100,6 +100,7 @@ class LocalLauncher:
             self._wait(procs, workdir)
         finally:
             _kill(procs)
+            remove_task(task)
         return read_result(task)
 
     def _wait(self, procs: list[subprocess.Popen], workdir: Path) -> None:
@@ -136,15 +137,27 @@ class LocalLauncher:
         pass
 
 
+TASK_FILE = "task.pkl"
+
+
 def write_task(task: Task) -> Path:
-    """The task pickled into its work directory, stale results and error reports removed."""
+    """The task pickled into its work directory, stale results and error reports removed. The task
+    holds the stage's config as the workers need it, secrets in clear (a model factory's token, say):
+    so it is readable by its owner only and removed when the stage ends (`remove_task`)."""
     workdir = Path(task.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     for stale in [workdir / RESULT_FILE, *workdir.glob("error-rank*.json")]:
         stale.unlink(missing_ok=True)
-    task_file = workdir / "task.pkl"
-    task_file.write_bytes(pickle.dumps(task))
+    task_file = workdir / TASK_FILE
+    task_file.unlink(missing_ok=True)
+    with open(os.open(task_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
+        out.write(pickle.dumps(task))
     return task_file
+
+
+def remove_task(task: Task) -> None:
+    """Once every rank has ended: the task file is not evidence, and it may hold secrets."""
+    (Path(task.workdir) / TASK_FILE).unlink(missing_ok=True)
 
 
 def read_result(task: Task) -> Any:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.launchers.base import StageFailed, Task, WorldSpec, probe_placement, worker_pythonpath
-from pipelines.launchers.local import describe_failure, read_result, write_task
+from pipelines.launchers.local import describe_failure, read_result, remove_task, write_task
 from pipelines.launchers.worker import (
     BACKEND_ENV,
     DISTRIBUTED_ENV,
@@ -348,6 +348,8 @@ class SlurmLauncher:
             except BaseException:
                 _stop_step(proc)
                 raise
+            finally:
+                remove_task(task)
         print(f"slurm: {task.stage} step {'done' if code == 0 else f'ended with code {code}'} "
               f"{time.monotonic() - start:.0f}s", flush=True)
         return code, err_path.read_text(errors="replace")

@@ -20,15 +20,19 @@ ASKED = [s for s in STAGES if s != "trials"]  # plan.trials=0: the trials stage 
 SMOKE = ["experiment=smoke"]
 PEAK = "train.peak_flops=1e11"
 """A device peak for MFU (CPUs list none)."""
+PROBE = ["bandwidth.max_bytes=1048576", "bandwidth.warmup_iters=5", "bandwidth.iters=20"]
+"""The probe up to the size of gpt-tiny's gradients (543 KB, one DDP bucket), 20 timed calls a size:
+smoke's 64 KiB and 3 calls left the plan's communication an extrapolation from latency-bound sizes,
+once 4x too slow."""
 # gpt-tiny (vocab 256, width 64, 2 blocks, 4 heads, 64 positions) on smoke's 32-token samples:
 # 6 FLOPs per parameter per token outside the embeddings (135,808 parameters, 20,480 of them token
 # and position embeddings), plus attention's 12 x blocks x width x tokens^2.
 GPT_TINY_FLOPS_PER_SAMPLE = 6 * (135_808 - 20_480) * 32 + 12 * 2 * 64 * 32 * 32
 
 
-def run_cli(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cli(cwd: Path, *args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
     )
 
 
@@ -40,8 +44,8 @@ def summary_of(run_dir: Path) -> dict:
 def workspace(tmp_path_factory):
     """One smoke run then an identical second run, in a fresh working directory."""
     cwd = tmp_path_factory.mktemp("e2e")
-    first = run_cli(cwd, *SMOKE, PEAK, "hydra.run.dir=runs/first")
-    second = run_cli(cwd, *SMOKE, PEAK, "hydra.run.dir=runs/second")
+    first = run_cli(cwd, *SMOKE, PEAK, *PROBE, "hydra.run.dir=runs/first")
+    second = run_cli(cwd, *SMOKE, PEAK, *PROBE, "hydra.run.dir=runs/second")
     return cwd, first, second
 
 
@@ -197,19 +201,32 @@ def test_dry_run_plans_a_32_rank_layout_in_seconds(tmp_path):
     assert not [p for p in cache.glob("*") if p.name != "contract"], "a dry run runs no stage"
 
 
+HUB_MODEL = """from training.models.gpt import build as gpt
+
+
+def build(api_token: str, mirror: str, **shape):
+    \"\"\"gpt-tiny, as a factory that takes credentials (a model hub's token and mirror) would.\"\"\"
+    return gpt(**shape)
+"""
+
+
 @pytest.mark.slow
 def test_planted_secrets_never_reach_mlflow_or_the_summary(tmp_path):
-    result = run_cli(tmp_path, "experiment=smoke", "nodes=1", "only=[lr_find]", "hydra.run.dir=secret",
-                     "+launcher.additional_parameters.api_token=s3cr3tvalue",
-                     "+launcher.additional_parameters.x=https://u:t0kenvalue@h")
+    # Secrets arrive where users put them: in their own model factory's arguments (a hub token, a
+    # mirror URL with credentials). Launcher options that go into job scripts refuse them instead.
+    (tmp_path / "hub_models.py").write_text(HUB_MODEL)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    model = ["model=gpt-tiny", "model._target_=hub_models.build"]
+    result = run_cli(tmp_path, "experiment=smoke", "nodes=1", "only=[lr_find]", "hydra.run.dir=secret", *model,
+                     "+model.api_token=s3cr3tvalue", "+model.mirror=https://u:t0kenvalue@h", env=env)
     assert result.returncode == 0, result.stderr
     sweep = run_cli(tmp_path, "-m", "experiment=smoke", "nodes=1", "only=[lr_find]", "hydra.sweep.dir=sweep",
-                    "tracking=none", "+launcher.additional_parameters.api_token=s3cr3tvalue,an0thers3cr3t")
+                    "tracking=none", *model, "+model.api_token=s3cr3tvalue,an0thers3cr3t", "+model.mirror=m", env=env)
     assert sweep.returncode == 0, sweep.stderr
     assert "api_token: '***'" in (tmp_path / "secret" / "config.yaml").read_text()
     assert not (tmp_path / "secret" / ".hydra").exists()
     # Everything the tool wrote: MLflow, run dirs (config, logs, task files), the sweep's files.
-    written = [tmp_path / "outputs" / "mlflow.db", *(tmp_path / "outputs" / "mlartifacts").rglob("*"),
+    written = [tmp_path / "outputs" / "mlflow.db", *(tmp_path / "outputs" / "cache").rglob("*"), *(tmp_path / "outputs" / "mlartifacts").rglob("*"),
                *(tmp_path / "secret").rglob("*"), *(tmp_path / "sweep").rglob("*")]
     assert (tmp_path / "sweep" / "multirun.yaml") in written
     for path in [*written, *(p.parent for p in written)]:
@@ -222,8 +239,8 @@ def test_planted_secrets_never_reach_mlflow_or_the_summary(tmp_path):
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/outputs/mlflow.db")
     run = client.get_run(json.loads((tmp_path / "secret" / "summary.json").read_text())["mlflow_run_id"])
-    assert run.data.params["launcher.additional_parameters.api_token"] == "***"
-    assert run.data.params["launcher.additional_parameters.x"] == "https://***@h"
+    assert run.data.params["model.api_token"] == "***"
+    assert run.data.params["model.mirror"] == "https://***@h"
 
 
 @pytest.mark.slow

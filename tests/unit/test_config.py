@@ -45,6 +45,8 @@ BAD = [
     (["strategy.tp=0"], "strategy.tp=0: must be >= 1, -1"),
     (["launcher=slurm", "launcher.setup=['export HF_TOKEN=abc']"],
      "launcher.setup='export HF_TOKEN=***': would write a secret"),
+    (["launcher=slurm", "+launcher.additional_parameters.comment=https://u:t0ken@h"],
+     "launcher.additional_parameters={'comment': 'https://***@h'}: would write a secret"),
     (["launcher.setup=['export HF_TOKEN=abc']"], "HF_TOKEN=***\": an option of launcher=slurm, not of launcher=local"),
     (["cluster=h100-80g-ndr", "cluster.peak_flops=null"], "cluster.peak_flops=None: cluster=h100-80g-ndr describes"),
     (["cluster.devices_per_node=0"], "cluster.devices_per_node=0"),
