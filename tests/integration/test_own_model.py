@@ -165,3 +165,28 @@ def test_the_users_model_through_ray_and_slurm(project, tmp_path, launcher):
     local = summary_of(run_py(project, *common, "launcher=local"))
     assert summary["stages"]["train"]["result"]["losses"] == pytest.approx(
         local["stages"]["train"]["result"]["losses"], rel=1e-4, abs=1e-5)
+
+
+LLAMA3_8B_PARAMS = 8_030_261_248
+"""Meta's Llama 3 8B: 32 layers, width 4096, FFN 14336, 8 KV heads of 128, 128256 tokens, untied head."""
+
+
+def test_the_full_size_hugging_face_model_gets_a_what_if_plan(tmp_path):
+    """The preset at its real shape, built on the meta device (nothing allocated): the plan counts
+    its parameters from the module, measures its FLOPs, and recommends a layout that fits."""
+    seq = 4096
+    result = subprocess.run([sys.executable, str(ROOT / "run.py"), "pipeline=plan", "model=hf-llama3-8b",
+                             "cluster=h100-80g-ndr", "nodes=4", f"data.seq_len={seq}", "tracking=none",
+                             "hydra.run.dir=whatif"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    plan = json.loads((tmp_path / "whatif/summary.json").read_text())["stages"]["plan"]["result"]
+    shape = plan["anatomy"]["shape"]
+    assert shape["params"] == LLAMA3_8B_PARAMS and shape["layers"] == 32 and shape["seq_len"] == seq
+    # 6 FLOPs per non-embedding parameter per token, plus attention's 12 x layers x width x tokens^2.
+    dense = 6 * (LLAMA3_8B_PARAMS - 128256 * 4096) * seq + 12 * 32 * 4096 * seq**2
+    assert plan["anatomy"]["flops_per_sample"] == pytest.approx(dense, rel=0.05)
+    best = plan["recommended"]
+    assert best is not None and best["fits"] and plan["world_size"] == 32
+    assert best["memory_per_device_bytes"] <= 0.7 * 80 * 2**30  # 80 GiB at plan.memory_fraction
+    assert all(c["fits"] and c["tokens_per_s"] <= best["tokens_per_s"] for c in plan["candidates"])
+    assert best["command"].startswith("python run.py") and "model=hf-llama3-8b" in best["command"]
