@@ -3,11 +3,18 @@ tests need (a Slurm cluster, Chromium), skipped loudly where they are missing an
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
+import signal
+import socket
 import subprocess
+import sys
 import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -74,3 +81,43 @@ def chromium() -> str:
     if path is None:
         unavailable("Chromium", "chromium is not installed", CHROMIUM_INSTALL)
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def mlflow_server(store: str, cwd: Path) -> Iterator[str]:
+    """A real `mlflow server --workers 1` over `store`, its base URL once /health answers; stopped
+    by the PID it was started with (its process group), and checked gone."""
+    port = free_port()
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--workers", "1", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", store],
+        cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2).close()
+                break
+            except OSError:
+                assert proc.poll() is None, "mlflow server exited"
+                assert time.monotonic() < deadline, "mlflow server did not answer in 90 s"
+                time.sleep(0.5)
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and its worker, by the PID we started
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)

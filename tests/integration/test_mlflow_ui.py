@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import mlflow_server
 
 ROOT = Path(__file__).resolve().parents[2]
 POINTS = {("ddp", 1), ("ddp", 2), ("zero3", 1), ("zero3", 2)}
@@ -33,11 +30,6 @@ NAME = re.compile(r"(ddp|zero3) x(\d+) · gpt-tiny · \d{4}-\d\d-\d\d \d\d:\d\d"
 
 
 # --- a real MLflow server and a real browser ------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 SECOND = "second-day"
@@ -60,34 +52,8 @@ def store(study, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(study, store):
     """`mlflow server --workers 1` over `store`; stopped by its own PID."""
-    port = free_port()
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--workers", "1", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", store],
-        cwd=study["dir"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2).close()
-                break
-            except OSError:
-                assert proc.poll() is None, "mlflow server exited"
-                assert time.monotonic() < deadline, "mlflow server did not answer in 90 s"
-                time.sleep(0.5)
+    with mlflow_server(store, study["dir"]) as base:
         yield base
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server and its worker, by the PID we started
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    with pytest.raises(ProcessLookupError):
-        os.killpg(proc.pid, 0)
 
 
 def chromium() -> str:

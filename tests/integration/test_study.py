@@ -6,17 +6,15 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import mlflow_server
 
 ROOT = Path(__file__).resolve().parents[2]
 PLOTS = {"efficiency.png", "throughput_per_device.png", "loss_vs_samples.png", "mfu.png", "memory.png",
@@ -134,32 +132,10 @@ def test_the_html_page_loads_in_headless_chromium_without_console_errors(study, 
     assert not re.search(r'(href|src)="(?!data:)', page.read_text())
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.mark.slow
 def test_an_mlflow_server_lists_the_study_runs_over_rest(study):
-    port = free_port()
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--workers", "1", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", study["uri"]],
-        cwd=study["dir"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2).close()
-                break
-            except OSError:
-                assert server.poll() is None, "mlflow server exited"
-                assert time.monotonic() < deadline, "mlflow server did not answer in 90 s"
-                time.sleep(0.5)
+    with mlflow_server(study["uri"], study["dir"]) as base:
         with urllib.request.urlopen(f"{base}/api/2.0/mlflow/experiments/get-by-name?experiment_name=scalestudy") as r:
             experiment_id = json.load(r)["experiment"]["experiment_id"]
         query = json.dumps({"experiment_ids": [experiment_id], "max_results": 100,
@@ -170,15 +146,6 @@ def test_an_mlflow_server_lists_the_study_runs_over_rest(study):
             runs = json.load(r)["runs"]
         params = [{p["key"]: p["value"] for p in run["data"]["params"]} for run in runs]
         assert {(p["strategy"], int(p["world_size"])) for p in params} == POINTS
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)  # the server and its worker, by the PID we started
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-    with pytest.raises(ProcessLookupError):
-        os.killpg(server.pid, 0)
 
 
 @pytest.mark.slow
