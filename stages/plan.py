@@ -473,6 +473,8 @@ def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult,
     w = workload(cfg, anatomy)
     hw = hardware(cfg, own.executed_flops_per_sample, rulers, bandwidth, micro)
     calibration = fit_calibration(history) if cfg.plan.calibrate else None
+    if calibration is not None:
+        hw = calibration.on_basis(hw)  # this plan's own timing stays in its rulers
     fields, reasons = advise_plan(cfg, anatomy, costs, hw, w, calibration)
     target = micro * cfg.train.grad_accum * data_parallel_size(cfg)
     reasons += ruler_reasons(rulers, cfg, world) + [lr_reason(lr_find, target, cfg.train.warmup_steps)]

@@ -74,8 +74,7 @@ def check_prediction(plan: PlanResult, chosen: Candidate | None, strategy: str, 
     if predicted is None:
         return None
     return PredictionCheck(
-        components=StepPrediction(predicted.compute_s, predicted.exposed_comm_s, predicted.bubble_s,
-                                  predicted.overhead_s, predicted.collective_calls),
+        components=predicted.components,
         step_time_s=predicted.step_time_s,
         samples_per_s=predicted.samples_per_s,
         scaling_efficiency=predicted.scaling_efficiency,

@@ -21,7 +21,7 @@ from stages.common import log, progress, workbench
 from stages.lr_find import LrFindResult
 from stages.plan import PlanResult
 from training.config import DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
-from training.costmodel import Calibration, MeasuredStep, StepPrediction, fit_calibration
+from training.costmodel import Calibration, MeasuredStep, fit_calibration
 from training.search import Candidate, dims_label
 
 if TYPE_CHECKING:
@@ -131,13 +131,8 @@ def run(cfg: TrialsInputs, *, plan: PlanResult, lr_find: LrFindResult) -> Trials
         log("trials", f"{candidate.strategy} {candidate.dims}: {trials[-1].tokens_per_s or trials[-1].error}")
     ran = [t for t in trials if t.step_time_s is not None]
     chosen = max(ran, key=lambda t: t.tokens_per_s).candidate if ran else None
-    points = [MeasuredStep(t.candidate.strategy, plan.world_size, _components(t.candidate), t.step_time_s) for t in ran]
+    points = [MeasuredStep(t.candidate.strategy, plan.world_size, t.candidate.prediction.components, t.step_time_s) for t in ran]
     return TrialsResult(trials, chosen, fit_calibration(points))
-
-
-def _components(c: Candidate) -> StepPrediction:
-    p = c.prediction
-    return StepPrediction(p.compute_s, p.exposed_comm_s, p.bubble_s, p.overhead_s, p.collective_calls)
 
 
 def _measure(cfg: TrialsInputs, candidate: Candidate, lr_find: LrFindResult, world: int) -> float:

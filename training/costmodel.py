@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -282,6 +283,9 @@ class StepPrediction:
     """The strategy's own per-step work besides the model's (hooks, copies, sharded optimizer)."""
     collective_calls: int = 0
     """Collectives per step (Comm.calls): what calibration's per-call cost multiplies."""
+    seconds_per_sample: float = 0.0
+    """The measured compute per sample (one device, alone) the components were computed from: the
+    basis a calibration fitted on them predicts from (Calibration.seconds_per_sample); 0: unknown."""
 
     @property
     def step_s(self) -> float:
@@ -395,6 +399,14 @@ class Prediction:
     """The strategy's measured per-step overhead, before calibration."""
     collective_calls: int = 0
     """Collective calls per step in the model."""
+    seconds_per_sample: float = 0.0
+    """The hardware's measured compute per sample these components were computed from."""
+
+    @property
+    def components(self) -> StepPrediction:
+        """The uncalibrated components, with their basis: what calibration fits a measured step to."""
+        return StepPrediction(self.compute_s, self.exposed_comm_s, self.bubble_s, self.overhead_s,
+                              self.collective_calls, self.seconds_per_sample)
 
 
 # ---- calibration ------------------------------------------------------------------------------
@@ -429,11 +441,21 @@ class Calibration:
     """The same, calibrated (in-sample: the fit's own points)."""
     call_s: float = 0.0
     """Seconds each collective call costs beyond the α–β model."""
+    seconds_per_sample: float | None = None
+    """The median compute per sample the points' components were computed from: the basis the
+    scales were fitted on. A calibrated plan predicts from it rather than from its own fresh timing
+    (one timing on a busy host moves by a third; the scales would carry that into every
+    prediction). None where the points don't record it."""
 
     def step_s(self, strategy: str, step: StepPrediction) -> float:
         comm = self.comm_scale.get(strategy, self.default_comm_scale)
         return (self.compute_scale * (step.compute_s + step.overhead_s + step.bubble_s) + comm * step.exposed_comm_s
                 + self.call_s * step.collective_calls)
+
+    def on_basis(self, hw: Hardware) -> Hardware:
+        """`hw` with the compute timing the scales were fitted on, where the points recorded one:
+        the scales apply to components computed as theirs were."""
+        return dataclasses.replace(hw, seconds_per_sample=self.seconds_per_sample) if self.seconds_per_sample else hw
 
     @property
     def default_comm_scale(self) -> float:
@@ -443,7 +465,9 @@ class Calibration:
 
     def describe(self) -> str:
         comm = ", ".join(f"{k} x{v:.2f}" for k, v in sorted(self.comm_scale.items())) or "none measured"
-        return (f"calibration: {self.points} earlier runs; compute x{self.compute_scale:.2f}, communication "
+        basis = (f" on their plans' compute timing ({self.seconds_per_sample * 1e3:.3f} ms a sample, median)"
+                 if self.seconds_per_sample else "")
+        return (f"calibration: {self.points} earlier runs; compute x{self.compute_scale:.2f}{basis}, communication "
                 f"{comm}, +{self.call_s * 1e3:.2f} ms per collective call; rms step-time error on them "
                 f"{self.error_before_pct:.0f} % -> {self.error_after_pct:.0f} %")
 
@@ -486,6 +510,7 @@ def fit_calibration(points: list[MeasuredStep]) -> Calibration | None:
             a[i, columns.index(p.strategy)] = p.predicted.exposed_comm_s / p.measured_step_s
         a[i, -1] = p.predicted.collective_calls / p.measured_step_s
     scales = nonnegative_least_squares(a, np.ones(len(points)))
+    bases = [p.predicted.seconds_per_sample for p in points if p.predicted.seconds_per_sample > 0]
     calibration = Calibration(
         compute_scale=float(scales[0]),
         comm_scale={s: float(scales[1 + i]) for i, s in enumerate(comm_strategies)},
@@ -493,6 +518,7 @@ def fit_calibration(points: list[MeasuredStep]) -> Calibration | None:
         error_before_pct=0.0,
         error_after_pct=0.0,
         call_s=float(scales[-1]),
+        seconds_per_sample=statistics.median(bases) if bases else None,
     )
 
     def rms_error(step: Callable[[MeasuredStep], float]) -> float:
@@ -573,6 +599,7 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: ParallelDims, mem
         compute_s=step.compute_s,
         overhead_s=step.overhead_s,
         collective_calls=step.collective_calls,
+        seconds_per_sample=hw.seconds_per_sample,
     )
 
 
