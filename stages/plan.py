@@ -126,6 +126,8 @@ class PlanResult:
     lr_rule: str | None
     calibration: Calibration | None
     """plan.calibrate=true with earlier runs found: the scales applied to every prediction."""
+    layouts: list[Candidate] = dataclasses.field(default_factory=list)
+    """The fastest fitting setting of each layout, best first (at most ten): what plan.trials measures."""
 
     def metrics(self) -> list[tuple[str, float, int]]:
         out = [("memory/peak_gib", self.peak_memory_bytes / GIB, 0), ("plan/flops_per_sample", self.flops_per_sample, 0)]
@@ -417,6 +419,7 @@ def advise_plan(cfg: PlanInputs, anatomy: Anatomy, costs: list, hw: Hardware, w:
                        + ("" if requested.fits else ", and it does not fit"))
     recommended = best or (searched.ranked[0] if searched.ranked else None)
     fields = {"recommended": recommended, "requested": requested, "candidates": searched.ranked[:10],
+              "layouts": searched.best_per_layout(10),
               "evaluated": searched.evaluated, "variants": variants,
               "predictions": predictions(cfg, w, hw, world, calibration)}
     return fields, reasons

@@ -1,6 +1,7 @@
 """trials: the cost model prunes, measurement decides.
 
-With plan.trials=K, the K best fitting candidates of the plan's search are each trained for
+With plan.trials=K, the K best fitting layouts of the plan's search (each at its best predicted
+setting: one trial per layout, since the model errs most between layouts) are each trained for
 plan.trial_steps steps on the current launcher's world (the same training step and loop as train,
 the first two steps untimed), twice, in the order A B C then C B A, and the one with the highest
 measured throughput is the
@@ -105,7 +106,7 @@ class TrialsResult:
 def run(cfg: TrialsInputs, *, plan: PlanResult, lr_find: LrFindResult) -> TrialsResult:
     from training.dist import all_reduce_max, world_size
 
-    picked = [c for c in plan.candidates if c.fits][: cfg.plan.trials]
+    picked = plan.layouts[: cfg.plan.trials]
     rounds: dict[int, list[float]] = {i: [] for i in range(len(picked))}
     errors: dict[int, str] = {}
     for r in range(ROUNDS):

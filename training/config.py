@@ -348,8 +348,9 @@ class PlanConfig:
     """Precisions the search may choose; null: the run's own, and bf16 where the devices support it
     (a described GPU cluster; a measured cluster is planned in the precision it was measured in)."""
     trials: int = 0
-    """Measure the best this many candidates with short real runs on the current launcher (the
-    trials stage) and recommend the fastest measured; 0: the cost model decides alone."""
+    """Measure the best this many layouts (each at its best predicted setting) with short real runs
+    on the current launcher (the trials stage) and recommend the fastest measured; 0: the cost
+    model decides alone."""
     trial_steps: int = 10
     """Optimizer steps of each trial, in each of its two rounds (the first two are warm-up, not timed)."""
     calibrate: bool = False

@@ -128,6 +128,20 @@ class Searched:
     evaluated: int
     """Predictions the search made."""
 
+    def best_per_layout(self, limit: int) -> list[Candidate]:
+        """The fastest fitting setting of each layout (flavour and degrees), best first: what trials
+        measure. The top of `ranked` is often one layout under settings the model barely tells
+        apart (a schedule, a bucket size); the model's errors are largest between layouts (a
+        pipeline's sends, a wrapper's hooks), so that is where measurement has to decide."""
+        seen: set[tuple] = set()
+        out = []
+        for c in self.ranked:
+            layout = (c.flavour, c.degrees)
+            if c.fits and layout not in seen:
+                seen.add(layout)
+                out.append(c)
+        return out[:limit]
+
 
 def strategy_name(flavour: str, d: ParallelDims) -> str:
     """What a layout is called: the pure strategy whose preset it is (a data-parallel one by its

@@ -43,12 +43,18 @@ def test_auto_trains_the_whole_recommendation(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_trials_measure_the_two_best_and_the_faster_trains(tmp_path):
+def test_two_trials_measure_the_two_best_layouts_and_the_faster_trains(tmp_path):
     summary = run(tmp_path, *AUTO, "plan.trials=2", "plan.trial_steps=6", "hydra.run.dir=run")
     plan, trials = summary["stages"]["plan"]["result"], summary["stages"]["trials"]
     assert trials["status"] == "ran"
     measured = trials["result"]["trials"]
-    assert [t["candidate"]["command"] for t in measured] == [c["command"] for c in plan["candidates"] if c["fits"]][:2]
+    # One trial per layout: the two best layouts, each at its best predicted setting.
+    assert [t["candidate"]["command"] for t in measured] == [c["command"] for c in plan["layouts"]][:2]
+    layouts = [(t["candidate"]["flavour"], tuple(sorted(t["candidate"]["dims"].items()))) for t in measured]
+    assert len(set(layouts)) == 2
+    best_of = {(c["flavour"], tuple(sorted(c["dims"].items()))): c for c in reversed(plan["candidates"]) if c["fits"]}
+    assert all(best_of[layout]["command"] == t["candidate"]["command"]
+               for layout, t in zip(layouts, measured, strict=True) if layout in best_of)
     assert all(t["error"] is None and t["tokens_per_s"] > 0 and t["step_time_s"] > 0 for t in measured)
     faster = max(measured, key=lambda t: t["tokens_per_s"])
     assert trials["result"]["chosen"]["command"] == faster["candidate"]["command"]
@@ -57,7 +63,7 @@ def test_two_trials_measure_the_two_best_and_the_faster_trains(tmp_path):
     assert train["prediction"]["step_time_s"] == pytest.approx(faster["candidate"]["step_time_s"])
     assert train["prediction"]["components"] == {k: faster["candidate"]["prediction"][k] for k in
                                                  ("compute_s", "exposed_comm_s", "bubble_s", "overhead_s",
-                                                  "collective_calls")}
+                                                  "collective_calls", "seconds_per_sample")}
     assert trials["result"]["calibration"]["points"] == 2
     assert summary["run"]["layout"] == "auto, 2 trials"
     # Each trial is an MLflow run nested under the plan's, saying which one was chosen.

@@ -140,3 +140,17 @@ def test_an_explicit_layouts_1_device_baseline_is_its_one_device_form():
     alone, _, chosen = resolve_strategy(hybrid, TrainConfig(), plan, None, 1)
     assert chosen is None and alone.name == "ddp" and alone.degrees() == dict(dp_replicate=1, dp_shard=1, tp=1, pp=1)
     assert (alone.precision, alone.activation_checkpointing) == ("bf16", "full")
+
+
+def test_trials_measure_one_setting_of_each_layout_the_best_first(seven_b):
+    """plan.layouts (what trials take): the fastest fitting setting of each (flavour, degrees), in
+    the ranking's order, so K trials measure K different layouts."""
+    layouts = seven_b.layouts
+    keys = [(c.flavour, c.degrees) for c in layouts]
+    assert len(layouts) >= 3 and len(set(keys)) == len(keys) and all(c.fits for c in layouts)
+    assert layouts[0] == seven_b.recommended
+    # Best first; within the 1 % a tie spans, the simpler layout may come first.
+    assert all(b.tokens_per_s <= a.tokens_per_s / 0.99 for a, b in zip(layouts, layouts[1:], strict=False))
+    for c in layouts:  # each is its layout's best: nothing of the same layout is predicted faster
+        assert all(o.tokens_per_s <= c.tokens_per_s * 1.01 for o in seven_b.candidates
+                   if o.fits and (o.flavour, o.degrees) == (c.flavour, c.degrees))
