@@ -124,6 +124,19 @@ def test_published_megatron_run_is_predicted_within_20_percent():
     assert got.recommended_fits and got.recommended >= got.predicted
 
 
+def test_a_stacks_anchor_sets_the_fraction_of_peak_its_other_runs_are_predicted_with():
+    """IBM's FSDP Llama 2: the preset's 40 % of peak predicts the 70B run at ~0.6 of what was
+    published; with the fraction the 7B run reached, the held-out 70B run is within 20 %."""
+    from benchmarks.published import ROWS, anchored, check
+
+    rows = [r for r in ROWS if r.stack == "FSDP (IBM), A100"]
+    checked, anchors = anchored([check(r) for r in rows])
+    anchor = anchors["FSDP (IBM), A100"]
+    assert anchor.ratio == pytest.approx(1.0, abs=0.005) and anchor.achievable_mfu > checked[0].achievable_mfu
+    assert checked[0].anchored is None and checked[1].anchored.achievable_mfu == anchor.achievable_mfu
+    assert checked[1].ratio < 0.8 and 0.8 <= checked[1].anchored.ratio <= 1.2
+
+
 def test_an_explicit_layouts_1_device_baseline_is_its_one_device_form():
     """`strategy=hybrid strategy.pp=2 strategy.dp_replicate=2 nodes=4` is measured against one
     device training the same micro-batch, precision and checkpointing with every degree 1."""
