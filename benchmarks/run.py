@@ -305,8 +305,11 @@ def bench_advisor() -> list[Row]:
     from pipelines.summary import read_summary
     from reports.study import StudyRun, latest_per_point, ranks, regrets, table_rows
 
+    # The probe measures the sizes gpt-tiny sends (its gradient is 543 KB), 20 calls a size, as the
+    # default probe would: smoke's (<= 64 KiB, 3 calls) left the ranking to an extrapolation.
     common = ["experiment=smoke", "train.global_batch=16", "train.steps=40", "train.timing_warmup=5",
-              "data.num_samples=1024", "tracking=none", "only=[env,bandwidth,lr_find,plan,trials,train]"]
+              "data.num_samples=1024", "tracking=none", "only=[env,bandwidth,lr_find,plan,trials,train]",
+              "bandwidth.max_bytes=1048576", "bandwidth.warmup_iters=5", "bandwidth.iters=20"]
     rows, summaries = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for world, points in ADVISOR_POINTS.items():

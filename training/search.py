@@ -170,11 +170,13 @@ def layouts(world: int, shape: Shape) -> Iterator[tuple[str, ParallelDims]]:
                 d = ParallelDims(dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp)
                 if shard > 1:
                     yield from ((f.name, d) for f in strategies.flavours() if f.wrapper == "fsdp")
-                elif d.dp_replicate > 1 and tp == 1:
+                elif d.dp_replicate > 1 and tp == 1 and pp == 1:
                     yield from ((f.name, d) for f in strategies.flavours() if f.wrapper == "ddp")
                 else:
-                    # One replica, or replicas of a tensor-parallel model (DDP can't replicate
-                    # DTensors: they go through FSDP's replicate mesh, which holds what DDP does).
+                    # One replica; replicas of a tensor-parallel model (DDP can't replicate
+                    # DTensors: they go through FSDP's replicate mesh, which holds what DDP does);
+                    # or replicas of pipeline stages, which strategy=hybrid wraps in plain DDP (a
+                    # sharded optimizer there is not something it can be told to build).
                     yield strategies.flavours()[0].name, d
 
 

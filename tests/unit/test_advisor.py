@@ -9,6 +9,7 @@ import time
 import pytest
 
 from stages.plan import PlanInputs, whatif
+from training.parallel.dims import ParallelDims
 from training.search import Candidate
 from training.units import GIB
 
@@ -167,3 +168,21 @@ def test_trials_measure_one_setting_of_each_layout_the_best_first(seven_b):
     for c in layouts:  # each is its layout's best: nothing of the same layout is predicted faster
         assert all(o.tokens_per_s <= c.tokens_per_s * 1.01 for o in seven_b.candidates
                    if o.fits and (o.flavour, o.degrees) == (c.flavour, c.degrees))
+
+
+def test_every_layout_searched_is_one_that_its_command_trains():
+    """strategy=hybrid replicates pipeline stages with plain DDP: the search must not offer a
+    sharded-optimizer flavour there (its command would train DDP and be measured as zero1)."""
+    from training import strategies
+    from training.costmodel import Shape
+    from training.search import layouts
+
+    shape = Shape(params=10**6, layers=4, block_linear_params=10**5, hidden=64, seq_len=32, heads=4,
+                  first_stage_params=10**4, last_stage_params=10**4, tp_sizes=(64, 256))
+    found = list(layouts(8, shape))
+    assert len(found) == len(set(found))
+    for flavour, d in found:
+        if d.pp > 1 or d.tp > 1:  # only strategy=hybrid trains these: DDP replicas, FSDP shards
+            wrapper = strategies.get(flavour).wrapper
+            assert (flavour == "ddp" and d.dp_shard == 1) or (wrapper == "fsdp" and d.dp_shard > 1), (flavour, d)
+    assert ("ddp", ParallelDims(dp_replicate=2, pp=4)) in found and ("zero1", ParallelDims(dp_replicate=8)) in found
