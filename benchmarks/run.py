@@ -301,7 +301,8 @@ def bench_advisor() -> list[Row]:
     layouts are trained beside strategy=auto (the plan's recommendation) and strategy=auto
     plan.trials=3 (the measured best of its three best); regret = the recommendation's measured
     samples/s / the best measured. Each point's train stage runs ADVISOR_REPEATS times (its plan and
-    trials once) and counts by its median: identical runs on this host differ by up to 15 %."""
+    trials once) and counts by its median: identical runs on this host differ by up to 15 %; points
+    that trained the same setting (an explicit run and an auto run of it) pool (reports.study.regrets)."""
     from pipelines.summary import read_summary
     from reports.study import StudyRun, latest_per_point, ranks, regrets, table_rows
 
@@ -332,7 +333,8 @@ def bench_advisor() -> list[Row]:
               f"{ADVISOR_REPEATS}), measured rank {measured}, plan's rank {planned}", flush=True)
     for regret in regrets(runs):
         rows.append(Row(f"advisor regret at world {regret.devices}, recommended by the {regret.chosen_by} "
-                        f"({regret.layout}): its measured samples/s vs the best measured ({regret.best_layout})",
+                        f"({regret.layout}): its setting's samples/s (median over the {regret.runs} points that "
+                        f"trained it) vs the best setting measured ({regret.best_layout})",
                         regret.samples_per_s, regret.best_samples_per_s, "samples/s", ">= 0.95 with trials"))
     return rows
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,13 +157,22 @@ def ranks(runs: list[StudyRun]) -> dict[int, tuple[int | None, int | None]]:
 
 @dataclass(frozen=True)
 class Regret:
-    """How far the plan's recommendation, as measured, is from the best layout measured beside it."""
+    """How far the plan's recommendation, as measured, is from the best setting measured beside it.
+
+    Runs of one setting (strategy and layout label: degrees, micro-batch, accumulation, precision,
+    checkpointing) are one option measured several times, whoever chose them: an explicit run and
+    an auto run of the same setting pool, and each setting counts by the median of its runs. On a
+    host where identical runs differ by 15 %, comparing the recommendation's own run with the
+    luckiest run of the same setting would measure the noise, not the advice."""
 
     devices: int
     chosen_by: str
-    """plan (the search alone) or trials (the measured best of the plan's top candidates)."""
+    """plan (the search alone) or trials (the measured best of the plan's best layouts)."""
     layout: str
     samples_per_s: float
+    """The median of every run of the recommended setting."""
+    runs: int
+    """How many runs of the recommended setting that median is over."""
     best_layout: str
     best_samples_per_s: float
 
@@ -172,8 +182,9 @@ class Regret:
 
     def line(self) -> str:
         return (f"regret at {self.devices} devices, recommended by the {self.chosen_by}: {self.layout} measured "
-                f"{self.samples_per_s:.4g} samples/s, the best measured ({self.best_layout}) {self.best_samples_per_s:.4g}:"
-                f" {self.ratio:.3f} of the best, regret {100 * (1 - self.ratio):.1f} %")
+                f"{self.samples_per_s:.4g} samples/s (median of its {self.runs} runs), the best measured "
+                f"({self.best_layout}) {self.best_samples_per_s:.4g}: {self.ratio:.3f} of the best, "
+                f"regret {100 * (1 - self.ratio):.1f} %")
 
 
 def regrets(runs: list[StudyRun]) -> list[Regret]:
@@ -184,10 +195,15 @@ def regrets(runs: list[StudyRun]) -> list[Regret]:
             contests.setdefault(contest(run), []).append(run)
     out = []
     for group in contests.values():
-        best = max(group, key=lambda r: r.train.samples_per_s)
+        settings: dict[tuple[str, str], list[float]] = {}
+        for run in group:
+            settings.setdefault((run.strategy, run.layout), []).append(run.train.samples_per_s)
+        measured = {k: statistics.median(v) for k, v in settings.items()}
+        best = max(measured, key=measured.get)
         for chosen in sorted((r for r in group if r.chosen_by != "you"), key=lambda r: CHOSEN_BY.index(r.chosen_by)):
-            out.append(Regret(chosen.world_size, chosen.chosen_by, chosen.layout, chosen.train.samples_per_s,
-                              f"{best.strategy} {best.layout}", best.train.samples_per_s))
+            setting = (chosen.strategy, chosen.layout)
+            out.append(Regret(chosen.world_size, chosen.chosen_by, chosen.layout, measured[setting],
+                              len(settings[setting]), f"{best[0]} {best[1]}", measured[best]))
     return out
 
 
