@@ -78,13 +78,13 @@ def run(cfg: LrFindInputs) -> LrFindResult:
 
     from training.data import GlobalBatches, loader
     from training.lr_finder import range_test, suggest
-    from training.parallel.compose import parallelize
+    from training.parallel.compose import build_optimizer, parallelize
     from training.step import optimizer_step
 
     finder = cfg.lr_find
     bench = workbench(cfg.model, cfg.data, cfg.seed)
     parallel = parallelize(bench.model, bench.spec, StrategyConfig(precision=cfg.precision), bench.dev, bench.loss)
-    optimizer = torch.optim.AdamW(bench.model.parameters(), lr=finder.min_lr, weight_decay=cfg.weight_decay)
+    optimizer = build_optimizer(parallel, finder.min_lr, cfg.weight_decay)
     rows = GlobalBatches(len(bench.dataset), cfg.batch, 1, 0, 1, cfg.seed)
     batches = iter(loader(bench.dataset, rows, 0, finder.num_iters, cfg.data.num_workers, bench.dev))
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    _get_fqns,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -28,6 +29,7 @@ from training import strategies
 from training.dist import is_dist, is_main, rank
 from training.files import write_atomic
 from training.loop import Resume
+from training.optim import MasterAdamW
 
 LATEST = "latest.json"
 
@@ -48,8 +50,25 @@ def _barrier() -> None:
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, zero1: bool) -> dict:
     if zero1:
         return {"model": get_model_state_dict(model)}
+    if isinstance(optimizer, MasterAdamW) and optimizer.has_masters:
+        return _master_state(model, optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": optim_sd}
+
+
+def _master_state(model: nn.Module, optimizer: MasterAdamW) -> dict:
+    """The state of bf16 training without FSDP in get_state_dict's form, with the fp32 masters in
+    place of the bf16 parameters: the checkpoint of an FSDP run in bf16 holds the same (its
+    sharded fp32 parameters), so either loads into the other and DCP reshards between worlds."""
+    fqn = {}
+    for name, p in model.named_parameters():
+        (fqn[p],) = _get_fqns(model, name)
+    masters = dict(optimizer.pairs)
+    model_sd = {fqn[p]: masters[p] for p in masters}
+    state = {fqn[p]: optimizer.state[m] for p, m in masters.items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn[p] for p in masters]}
+              for g in optimizer.param_groups]
+    return {"model": model_sd, "optim": {"state": state, "param_groups": groups}}
 
 
 def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, losses: list[float],
@@ -59,7 +78,7 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     path.mkdir(parents=True, exist_ok=True)
     dcp.save(_state(model, optimizer, zero1), checkpoint_id=str(path))
     if zero1:
-        torch.save(optimizer.optim.state_dict(), path / f"zero1-optim-rank{rank()}.pt")
+        torch.save(optimizer.state_dict(), path / f"zero1-optim-rank{rank()}.pt")
     _barrier()
     if is_main():
         meta = {"step": step, "losses": losses, "lrs": lrs, "path": path.name,
@@ -96,7 +115,10 @@ def load(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, layout:
         ) from err
     if zero1:
         set_model_state_dict(model, state["model"])
-        optimizer.optim.load_state_dict(torch.load(root / meta["path"] / f"zero1-optim-rank{rank()}.pt"))
+        optimizer.load_state_dict(torch.load(root / meta["path"] / f"zero1-optim-rank{rank()}.pt"))
+        optimizer.copy_to_model()
+    elif isinstance(optimizer, MasterAdamW) and optimizer.has_masters:
+        optimizer.copy_to_model()  # DCP loaded the masters and moments in place
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return Resume(step=meta["step"], losses=meta["losses"], lrs=meta["lrs"])

@@ -106,7 +106,7 @@ def measure_overheads(
             reason = "torch.distributed is up with other ranks: no one-rank mesh"
             return Overheads({}, 0.0, {s: reason for s in wanted} | not_measured)
         plain = parallelize(model, model_spec(model, model_cfg), base, dev, loss)
-        bare = stepper(plain, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        bare = stepper(plain, build_optimizer(plain, 1e-4, 0.0))
         bare()  # the optimizer's state is allocated on the first step
         for strategy in wanted:
             try:  # a second copy of the model and its optimizer state must fit beside the first

@@ -27,6 +27,7 @@ from training.parallel.ddp import BucketTimer, apply_ddp, time_buckets
 from training.parallel.dims import ParallelDims, resolve_dims  # noqa: F401 - re-exported
 from training.parallel.fsdp import apply_fsdp
 from training.parallel.pp import apply_pp, build_schedule, is_first, is_last
+from training.parallel.precision import apply_low_precision
 from training.parallel.tp import apply_tp
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -51,6 +52,9 @@ class Parallel:
     dp_group: dist.ProcessGroup | None
     bucket_timer: BucketTimer | None
     """Per-bucket all-reduce times (strategy.time_buckets with DDP)."""
+    masters: dict[nn.Parameter, torch.Tensor]
+    """bf16 parameter -> the fp32 parameter it was cast from (layouts without FSDP in bf16): the
+    optimizer's master weights (training/optim.py). Empty where the parameters are their own."""
 
     @property
     def loss_owners(self) -> int:
@@ -103,15 +107,21 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
     if strategy.activation_checkpointing == "full":
         apply_ac(spec.live_blocks())
     dp_group = None
+    masters: dict[nn.Parameter, torch.Tensor] = {}
     if use.fsdp:
         shard_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate_enabled else mesh["dp_shard"]
         apply_fsdp(model, spec.live_blocks(), shard_mesh, strategy.reshard, dtype)
         dp_group = dp_mesh.get_group()
-    elif use.ddp and not layout_only:
-        dp_group = mesh["dp_replicate"].get_group()
-        model = apply_ddp(model, dev, strategy.bucket_cap_mb, strategy.find_unused_parameters or dims.pp_enabled,
-                          process_group=dp_group, force=probe)
-    autocast = dtype is not None and not use.fsdp
+    elif dtype is torch.bfloat16:
+        # FSDP's numerics without FSDP: bf16 parameters, the fp32 ones kept as the optimizer's masters.
+        masters = apply_low_precision(model, dtype)
+    if use.ddp:
+        dp_group = mesh["dp_replicate"].get_group() if mesh is not None else None
+        if not layout_only:
+            model = apply_ddp(model, dev, strategy.bucket_cap_mb, strategy.find_unused_parameters or dims.pp_enabled,
+                              process_group=dp_group, force=probe)
+    # fp16 without FSDP stays on autocast over fp32 parameters: its GradScaler needs fp32 gradients.
+    autocast = dtype is torch.float16 and not use.fsdp
     scaler = _scaler(strategy, use.fsdp)
     coords = dims.coordinates(rank()) if mesh is not None else {"dp": 0}
     pp_group = mesh["pp"].get_group() if use.pp else None
@@ -130,7 +140,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
         no_sync = _fsdp_no_sync(model)
     timer = time_buckets(model) if strategy.time_buckets else None
     return Parallel(dims, model, coords["dp"], first, last, forward_backward, no_sync, pp_group, scaler,
-                    strategy.shards_optimizer_only, dp_group, timer)
+                    strategy.shards_optimizer_only, dp_group, timer, masters)
 
 
 class _ScaledLoss:
@@ -203,14 +213,20 @@ def _scaler(strategy: StrategyConfig, fsdp: bool) -> torch.amp.GradScaler | None
 
 
 def build_optimizer(parallel: Parallel, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW over this rank's parameters; zero1 shards its state over the data-parallel ranks."""
-    params = [p for p in parallel.model.parameters() if p.requires_grad]
-    if parallel.shard_optimizer and parallel.dp_group is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+    """AdamW over this rank's parameters, its state created now (training/optim.py): over fp32
+    masters of bf16 parameters where the layout has no FSDP, sharded over the data-parallel ranks
+    under zero1 (ZeRO's P_os: each rank updates and broadcasts its partition)."""
+    from training.optim import MasterAdamW, init_state
 
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=parallel.dp_group,
-                                       lr=lr, weight_decay=weight_decay)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    params = [p for p in parallel.model.parameters() if p.requires_grad]
+    group = parallel.dp_group if parallel.shard_optimizer else None
+    if parallel.masters or group is not None:
+        optimizer = MasterAdamW(params, parallel.masters, lr, weight_decay, group)
+        parallel.masters.clear()  # the optimizer holds the masters of its partition; the rest are freed
+        return optimizer
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    init_state(optimizer)
+    return optimizer
 
 
 def clip_grad_norm(parallel: Parallel, max_norm: float) -> torch.Tensor:

@@ -25,7 +25,9 @@ def apply_ddp(
     """Wrap `model` in DDP over `process_group` (default: every rank). A world of one is left
     unwrapped, so that the 1-device baseline pays no replication overhead, unless `force` (the
     overhead probe measures the wrapper on one rank). Around a pipeline stage DDP needs
-    find_unused_parameters=True (its reducer asserts on the second step otherwise)."""
+    find_unused_parameters=True (its reducer asserts on the second step otherwise). Gradients are
+    views into DDP's buckets: without that DDP holds each gradient twice (the parameter's and the
+    bucket's copy), which neither the ZeRO paper's accounting nor the cost model counts."""
     if world_size() == 1 and not force:
         return model
     return DistributedDataParallel(
@@ -34,6 +36,7 @@ def apply_ddp(
         bucket_cap_mb=bucket_cap_mb,
         find_unused_parameters=find_unused_parameters,
         process_group=process_group,
+        gradient_as_bucket_view=True,
     )
 
 
