@@ -41,7 +41,8 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer-state) bytes held by this rank."""
+    """(parameter, gradient, optimizer-state) bytes held by this rank. The optimizer's share is
+    its state and any parameters of its own: the fp32 masters of bf16 parameters (training/optim.py)."""
     import torch
 
     params = list(model.parameters())
@@ -49,10 +50,11 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tu
     grad_bytes = sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
     optim_bytes = 0
     if optimizer is not None:
-        # ZeroRedundancyOptimizer keeps this rank's shard of the state in its local `optim`.
-        local = getattr(optimizer, "optim", optimizer)
-        for state in local.state.values():
-            optim_bytes += sum(tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+        own = {id(p) for p in params}
+        for group in optimizer.param_groups:
+            optim_bytes += sum(tensor_bytes(m) for m in group["params"] if id(m) not in own)
+        for state in optimizer.state.values():
+            optim_bytes += sum(tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
     return param_bytes, grad_bytes, optim_bytes
 
 
