@@ -146,6 +146,8 @@ class Entry:
     origin: dict[str, Any] | None = None
     """Who measured it: the invocation's run dir and MLflow run, its placement, when (None for
     entries written before origins were recorded)."""
+    peak_memory_bytes: int | None = None
+    """The highest peak device memory of the ranks that produced it (None: not measured)."""
 
 
 class Cache:
@@ -164,7 +166,8 @@ class Cache:
         except (OSError, ValueError, KeyError, TypeError):
             return None
         metrics = [(k, float(v), int(s)) for k, v, s in data["metrics"]]
-        return Entry(key, result, metrics, float(data["seconds"]), path / "artifacts", data.get("origin"))
+        return Entry(key, result, metrics, float(data["seconds"]), path / "artifacts", data.get("origin"),
+                     data.get("peak_memory_bytes"))
 
     def checkpoints(self, stage: str, key: str) -> Path:
         """Where a run of this key keeps its checkpoints: the same path when it re-runs after a
@@ -185,10 +188,10 @@ class Cache:
         return path
 
     def commit(self, staging: Path, stage: str, key: str, result: Any, metrics: list, seconds: float,
-               origin: dict[str, Any] | None = None) -> Entry:
+               origin: dict[str, Any] | None = None, peak_memory_bytes: int | None = None) -> Entry:
         """Write entry.json into `staging`, then rename it into place in one step."""
         payload = {"result": to_jsonable(result), "metrics": metrics, "seconds": seconds, "created": time.time(),
-                   "origin": origin}
+                   "origin": origin, "peak_memory_bytes": peak_memory_bytes}
         write_atomic(staging / "entry.json", json.dumps(payload, default=str).encode())
         final = self.path(stage, key)
         try:
@@ -196,7 +199,7 @@ class Cache:
         except OSError:
             # Another invocation committed the same key first: its entry is equally valid.
             shutil.rmtree(staging, ignore_errors=True)
-        return Entry(key, result, metrics, seconds, final / "artifacts", origin)
+        return Entry(key, result, metrics, seconds, final / "artifacts", origin, peak_memory_bytes)
 
     def last_placement(self, scope: str) -> dict[str, Any] | None:
         """The placement an earlier invocation recorded for `scope` (launcher and world), if any."""

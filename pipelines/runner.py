@@ -19,7 +19,7 @@ from pipelines.calibration import calibration_key
 from pipelines.configtools import flatten, to_jsonable
 from pipelines.dag import Dag, Stage, build, stage_inputs
 from pipelines.launchers import Launcher, StageFailed, Task, WorldSpec, make_launcher
-from pipelines.launchers.worker import run_task
+from pipelines.launchers.worker import clear_peak_memory, peak_memory, run_task
 from pipelines.mlflow_ui import invocation_run_name, study_reading_run_name, training_data
 from pipelines.placement import Placement, diff, from_json, placement_tags, to_json
 from pipelines.progress import StageProgress, progress_file
@@ -56,6 +56,8 @@ class Outcome:
     """Where a worker stage's result was measured (Placement.describe); None for driver stages."""
     reason: SkipReason | None = None
     """Why a skipped stage was skipped by choice (only=[...], its `when` key); None otherwise."""
+    peak_memory_bytes: int | None = None
+    """The highest peak device memory of its ranks (pipelines.summary.StageRecord)."""
 
     @property
     def measured_by(self) -> dict[str, Any] | None:
@@ -74,6 +76,7 @@ class Outcome:
             "error": redact_text(self.error) if self.error else None,
             "fn": fn,
             "result": to_jsonable(self.result) if self.result is not None else None,
+            "peak_memory_bytes": self.peak_memory_bytes,
         }
         if self.baseline is not None:
             data["baseline"] = self.baseline
@@ -205,10 +208,12 @@ class Runner:
             else:
                 base = self._run_or_load(stage, inputs, dict(kwargs, baseline=None), upstream, single, force, "baseline")
                 if base.status == "failed":
-                    return Outcome("failed", base.seconds, base.key, f"baseline: {base.error}")
+                    return Outcome("failed", base.seconds, base.key, f"baseline: {base.error}",
+                                   peak_memory_bytes=base.peak_memory_bytes)
                 kwargs["baseline"] = base.result
                 upstream["baseline"] = digest(base.result)
-                baseline_info = {"status": base.status, "seconds": round(base.seconds, 3), "key": base.key}
+                baseline_info = {"status": base.status, "seconds": round(base.seconds, 3), "key": base.key,
+                                 "peak_memory_bytes": base.peak_memory_bytes}
         outcome = self._run_or_load(stage, inputs, kwargs, upstream, world, force, None)
         outcome.baseline = baseline_info
         return outcome
@@ -222,6 +227,12 @@ class Runner:
                       "planning uncalibrated")
             return []
 
+    def _memory_budget(self) -> float | None:
+        """Each rank's device-memory budget: cluster.device_memory_gib where the cluster is this
+        machine (`measured`); a described cluster's memory is hardware the workers are not."""
+        cluster = self.cfg.cluster
+        return cluster.device_memory_gib if cluster.measured else None
+
     def _world_of(self, stage: Stage) -> WorldSpec:
         if stage.spec.resources == "world":
             return self.world
@@ -234,6 +245,10 @@ class Runner:
             # A user's model or data set lives outside this project: its code is part of the key.
             extra["user_code"] = targets_code([self.cfg.model.target, self.cfg.data.target,
                                                self.cfg.model.loss.target if self.cfg.model.loss else ""])
+        budget = self._memory_budget()
+        if budget is not None:
+            # A result measured without the budget says nothing of whether the stage runs within it.
+            extra["memory_budget_gib"] = budget
         placement = None
         if stage.spec.resources != "driver":
             assert self.placement is not None, "a worker stage's placement is read before its key"
@@ -243,7 +258,8 @@ class Runner:
         where = placement.describe() if placement is not None else None
         entry = None if force or not stage.spec.cache else self.cache.load(name, key, stage.result_type)
         if entry is not None:
-            return Outcome("cached", entry.seconds, key, result=entry.result, entry=entry, placement=where)
+            return Outcome("cached", entry.seconds, key, result=entry.result, entry=entry, placement=where,
+                           peak_memory_bytes=entry.peak_memory_bytes)
         staging = self.cache.staging(name)
         checkpoints = self.cache.checkpoints(name, key)
         if stage.wants_checkpoints:
@@ -255,23 +271,27 @@ class Runner:
             kwargs=kwargs,
             artifacts=staging / "artifacts" if stage.wants_artifacts else None,
             workdir=self.run_dir / "logs" / name,
+            memory_budget_gib=budget,
         )
+        clear_peak_memory(task.workdir)
         start = time.perf_counter()
         try:
             result = self._launch(stage, task, world)
         except StageFailed as err:
             self.cache.discard(staging)
-            return Outcome("failed", time.perf_counter() - start, key, error=str(err), placement=where)
+            return Outcome("failed", time.perf_counter() - start, key, error=str(err), placement=where,
+                           peak_memory_bytes=peak_memory(task.workdir))
         seconds = time.perf_counter() - start
+        peak = peak_memory(task.workdir)
         metrics = list(result.metrics()) if isinstance(result, HasMetrics) else []
         origin = {"run_dir": str(self.run_dir), "mlflow_run_id": self.tracker.run_id, "measured_at": round(time.time(), 3),
                   "placement": where}
         if not stage.spec.cache:  # logged and published from staging, then discarded (Runner.run)
-            return Outcome("ran", seconds, key, result=result, placement=where,
-                           entry=Entry(key, result, metrics, seconds, staging / "artifacts", origin))
-        entry = self.cache.commit(staging, name, key, result, metrics, seconds, origin)
+            return Outcome("ran", seconds, key, result=result, placement=where, peak_memory_bytes=peak,
+                           entry=Entry(key, result, metrics, seconds, staging / "artifacts", origin, peak))
+        entry = self.cache.commit(staging, name, key, result, metrics, seconds, origin, peak)
         self.cache.discard(checkpoints)  # the result is stored: nothing left to resume
-        return Outcome("ran", seconds, key, result=result, entry=entry, placement=where)
+        return Outcome("ran", seconds, key, result=result, entry=entry, placement=where, peak_memory_bytes=peak)
 
     def _launch(self, stage: Stage, task: Task, world: WorldSpec) -> Any:
         if stage.spec.resources != "driver":

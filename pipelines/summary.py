@@ -25,9 +25,10 @@ from typing import Any, TypeVar
 
 from pipelines.configtools import from_dict
 
-SUMMARY_VERSION = 2
+SUMMARY_VERSION = 3
 """Raised when a field is added, removed or changes meaning. Summaries written before version 2
-carry no `version` and are read as version 1 (`_from_version_1`)."""
+carry no `version` and are read as version 1 (`_from_version_1`); version 2 lacks each stage's
+`peak_memory_bytes`, read as None."""
 STATUSES = ("ran", "cached", "failed", "skipped")
 T = TypeVar("T")
 
@@ -93,8 +94,15 @@ class StageRecord:
     reason: SkipReason | None
     """Why a skipped stage was skipped by choice; None otherwise (it ran, failed, or was skipped
     because an upstream stage did not succeed or the run was interrupted)."""
+    peak_memory_bytes: int | None = None
+    """The highest peak device memory of its ranks, failed ones included: on CUDA the allocator's
+    `max_memory_reserved`; on CPU, under a budget (`cluster.device_memory_gib`), the bytes of live
+    tensor storages (training/budget.py). For a cached stage, of the run that measured it. None
+    where not measured: on CPU without a budget (tracking would slow the steps the stages time),
+    a driver stage that never loaded torch, a stage skipped, or one from a summary before version 3."""
     baseline: dict[str, Any] | None = None
-    """The 1-device baseline's status, seconds and key (`baseline: true` stages at world > 1)."""
+    """The 1-device baseline's status, seconds, key and peak_memory_bytes (`baseline: true` stages
+    at world > 1)."""
     placement: dict[str, Any] | None = None
     """Where a worker stage's result was measured: launcher, fingerprint, hosts, hardware."""
     measured_by: dict[str, Any] | None = None

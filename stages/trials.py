@@ -104,6 +104,8 @@ class TrialsResult:
 
 
 def run(cfg: TrialsInputs, *, plan: PlanResult, lr_find: LrFindResult) -> TrialsResult:
+    import torch
+
     from training.dist import all_reduce_max, world_size
 
     picked = plan.layouts[: cfg.plan.trials]
@@ -118,8 +120,8 @@ def run(cfg: TrialsInputs, *, plan: PlanResult, lr_find: LrFindResult) -> Trials
                                f"{candidate.command.split(' strategy=', 1)[-1]}")
             try:
                 rounds[i].append(all_reduce_max(_measure(cfg, candidate, lr_find, world_size())))
-            except RuntimeError as err:  # an out-of-memory or a layout the workers refuse: reported, skipped
-                if "out of memory" not in str(err).lower():
+            except RuntimeError as err:  # an out-of-memory (CUDA's, or a CPU budget's) or a layout the workers refuse
+                if not isinstance(err, torch.OutOfMemoryError) and "out of memory" not in str(err).lower():
                     raise
                 errors[i] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     trials = []

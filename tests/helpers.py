@@ -26,13 +26,15 @@ from pipelines.schema import LauncherConfig
 
 
 def run_world(fn: str, inputs: Any = None, world: int = 2, workdir: Path | None = None,
-              timeout_s: float = 60.0, grace_s: float = 5.0, artifacts: Path | None = None, **kwargs: Any) -> Any:
+              timeout_s: float = 60.0, grace_s: float = 5.0, artifacts: Path | None = None,
+              memory_budget_gib: float | None = None, **kwargs: Any) -> Any:
     """Call `fn` ("module:function", importable from the repo root) as `fn(inputs, **kwargs)` on
-    `world` ranks with torch.distributed (gloo) initialised; return rank 0's result, or raise
-    StageFailed naming the failing rank."""
+    `world` ranks with torch.distributed (gloo) initialised, each held to `memory_budget_gib` when
+    given; return rank 0's result, or raise StageFailed naming the failing rank."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="scalestudy-test-"))
     launcher = LocalLauncher(LauncherConfig(timeout_s=timeout_s, grace_s=grace_s))
-    task = Task(stage="test", fn=fn, inputs=inputs, kwargs=kwargs, artifacts=artifacts, workdir=workdir)
+    task = Task(stage="test", fn=fn, inputs=inputs, kwargs=kwargs, artifacts=artifacts, workdir=workdir,
+                memory_budget_gib=memory_budget_gib)
     return launcher.run(task, WorldSpec(world, 1))
 
 

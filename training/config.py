@@ -382,11 +382,14 @@ class ClusterConfig:
     hardware you don't have, for what-if plans, with each number's public source in its file."""
     measured: bool = True
     """True: take device memory, compute speed and link bandwidth from this run's measurements
-    (the plan and bandwidth stages); the numbers below are then ignored."""
+    (the plan and bandwidth stages); the numbers below are then ignored, but for
+    `device_memory_gib`, which is then each rank's budget."""
     devices_per_node: int = 1
     """Devices (GPUs) per host; collectives within a node use the intra-node link."""
     device_memory_gib: float | None = None
-    """Memory of one device."""
+    """Memory of one device. On a measured cluster (this machine's CPUs), each rank's device-memory
+    budget: a rank whose live tensor storage goes over it fails as CUDA's out-of-memory would
+    (training/budget.py); null: no budget."""
     peak_flops: float | None = None
     """Dense bf16 peak FLOP/s of one device (datasheet)."""
     fp32_peak_flops: float | None = None
@@ -402,6 +405,8 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         _at_least("devices_per_node", self.devices_per_node, 1)
+        if self.measured and self.device_memory_gib is not None and self.device_memory_gib <= 0:
+            raise ConfigError("device_memory_gib", self.device_memory_gib, "must be > 0 GiB, or null for no budget")
         if not 0 < self.achievable_mfu <= 1:
             raise ConfigError("achievable_mfu", self.achievable_mfu, "must be in (0, 1]")
         if not self.measured:

@@ -39,6 +39,9 @@ class Task:
     """Directory the stage writes artifacts into (rank 0 only), or None if it takes none."""
     workdir: Path = Path(".")
     """Directory for this launch's logs, task file and result."""
+    memory_budget_gib: float | None = None
+    """Each rank's device-memory budget on CPU (`cluster.device_memory_gib` of a measured cluster):
+    a rank over it fails as CUDA's out-of-memory would. None: no budget (training/budget.py)."""
 
 
 class Launcher(Protocol):

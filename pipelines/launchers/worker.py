@@ -6,10 +6,12 @@ It reads its place in the world from torchrun-style variables (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), initialises torch.distributed with a collective timeout, calls the
 stage function, and leaves rank 0's result next to the task file. Any exception is written to
 `error-rank<R>.json` (type, message, traceback; the driver reports the message) and exits non-zero.
+Every rank, failed or not, leaves its peak device memory over the stage in `memory-rank<R>.json`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -26,6 +28,8 @@ from training.files import write_atomic
 
 RESULT_FILE = "result.pkl"
 ERROR_FILE = "error-rank{rank}.json"
+MEMORY_FILE = "memory-rank{rank}.json"
+"""`{"peak_bytes": <int or null>}`: the rank's peak device memory over the stage (training/budget.py)."""
 BACKEND_ENV = "SCALESTUDY_BACKEND"
 TIMEOUT_ENV = "SCALESTUDY_TIMEOUT_S"
 DISTRIBUTED_ENV = "SCALESTUDY_DISTRIBUTED"
@@ -125,7 +129,9 @@ def teardown_torch() -> None:
 
 
 def run_task(task: Task) -> Any:
-    """Call the stage function on this rank; used by every launcher."""
+    """Call the stage function on this rank, its peak device memory measured and on CPU held to
+    the task's budget (left in the work directory, also when it raised); used by every launcher,
+    and by the driver for its own stages."""
     fn = resolve_function(task.fn)
     kwargs = dict(task.kwargs)
     rank = int(os.environ.get("RANK", "0"))
@@ -135,7 +141,51 @@ def run_task(task: Task) -> Any:
         # Only rank 0 writes artifacts; the others get a private scratch directory.
         kwargs["artifacts"] = task.artifacts if rank == 0 else Path(task.workdir) / f"scratch-rank{rank}"
         Path(kwargs["artifacts"]).mkdir(parents=True, exist_ok=True)
-    return fn(task.inputs, **kwargs)
+    meter = memory_meter(task.memory_budget_gib, rank)
+    try:
+        with meter:
+            return fn(task.inputs, **kwargs)
+    finally:
+        if task.workdir is not None:
+            Path(task.workdir).mkdir(parents=True, exist_ok=True)
+            write_atomic(Path(task.workdir) / MEMORY_FILE.format(rank=rank),
+                         json.dumps({"peak_bytes": meter.peak_bytes}).encode())
+
+
+class _Unmeasured:
+    peak_bytes = None
+
+    def __enter__(self) -> _Unmeasured:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def memory_meter(budget_gib: float | None, rank: int) -> Any:
+    """training.budget.DeviceMemory; in a process that has not loaded torch (the driver) and has
+    no budget to hold, a meter that measures nothing (None) rather than loading torch for it."""
+    if budget_gib is None and "torch" not in sys.modules:
+        return _Unmeasured()
+    from training.budget import DeviceMemory
+
+    return DeviceMemory(budget_gib, rank)
+
+
+def clear_peak_memory(workdir: Path) -> None:
+    """Remove the memory files an earlier launch left in `workdir`."""
+    for stale in Path(workdir).glob(MEMORY_FILE.format(rank="*")):
+        stale.unlink(missing_ok=True)
+
+
+def peak_memory(workdir: Path) -> int | None:
+    """The highest peak the ranks of a launch in `workdir` left; None when none was measured."""
+    peaks = []
+    for path in Path(workdir).glob(MEMORY_FILE.format(rank="*")):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            peaks.append(json.loads(path.read_text())["peak_bytes"])
+    measured = [p for p in peaks if isinstance(p, int)]
+    return max(measured) if measured else None
 
 
 def main(task_file: str) -> int:

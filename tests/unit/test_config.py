@@ -43,6 +43,7 @@ BAD = [
     (["strategy=tp", "model=mlp", "data=blobs"], "strategy.tp=2: model=mlp has no tensor-parallel plan"),
     (["strategy.precision=fp16"], "strategy.precision='fp16': needs CUDA"),
     (["strategy.tp=0"], "strategy.tp=0: must be >= 1, -1"),
+    (["cluster.device_memory_gib=0"], "cluster.device_memory_gib=0.0: must be > 0 GiB, or null for no budget"),
     (["launcher=slurm", "launcher.setup=['export HF_TOKEN=abc']"],
      "launcher.setup='export HF_TOKEN=***': would write a secret"),
     (["launcher=slurm", "+launcher.additional_parameters.comment=https://u:t0ken@h"],

@@ -76,6 +76,15 @@ def test_a_summary_written_before_versions_reads_through_its_pipeline_file():
         read_summary({**old, "run": {**old["run"], "pipeline": "mine"}})
 
 
+def test_a_version_2_summary_reads_with_no_peak_memory(toy_cfg, tmp_path):
+    data = written(run_toy(toy_cfg, tmp_path)[0])
+    assert all("peak_memory_bytes" in s for s in data["stages"].values())
+    for stage in data["stages"].values():
+        del stage["peak_memory_bytes"]
+    read = read_summary({**data, "version": 2})
+    assert read.version == 2 and all(s.peak_memory_bytes is None for s in read.stages.values())
+
+
 def toy_summary(toy_cfg, tmp_path) -> dict:
     summary, _ = run_toy(toy_cfg, tmp_path)
     return written(summary)
