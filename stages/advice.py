@@ -96,7 +96,8 @@ def variant(cfg: AdviceInputs, cost: VariantCost, own: VariantCost, hw: Hardware
         seconds = hw.seconds_per_sample * cost.executed_flops_per_sample / own.executed_flops_per_sample
     else:
         seconds = cost.executed_flops_per_sample / (peak * cfg.cluster.achievable_mfu)
-    return Variant(cost.precision, cost.activation_checkpointing, seconds, cost.activation_bytes_per_sample, peak)
+    return Variant(cost.precision, cost.activation_checkpointing, seconds, cost.activation_bytes_per_sample, peak,
+                   cost.activation_replicated_bytes_per_sample)
 
 
 def command_prefix(cfg: AdviceInputs) -> str:
@@ -138,9 +139,10 @@ def own_candidate(cfg: AdviceInputs, anatomy: Anatomy, variants: list[Variant], 
     own = next(v for v in variants if (v.precision, v.activation_checkpointing) ==
                (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
     w = Workload(shape=anatomy.shape, micro_batch=micro, grad_accum=cfg.train.grad_accum,
-                 microbatches=cfg.strategy.microbatches, mixed=cfg.strategy.precision != "fp32",
+                 microbatches=cfg.strategy.microbatches, precision=cfg.strategy.precision,
                  checkpointing=cfg.strategy.activation_checkpointing == "full",
                  tokens_per_sample=anatomy.tokens_per_sample, activation_bytes_per_sample=own.activation_bytes_per_sample,
+                 activation_replicated_bytes_per_sample=own.activation_replicated_bytes_per_sample,
                  bucket_cap_bytes=cfg.strategy.bucket_cap_mb * 1024**2, seconds_per_sample=own.seconds_per_sample,
                  clip=cfg.train.grad_clip is not None, pp_schedule=cfg.strategy.pp_schedule)
     name = cfg.strategy.name if cfg.strategy.name in pure() else strategy_name(flavour, d)
@@ -166,7 +168,7 @@ def rejection_reasons(searched: Searched, best: Candidate | None, memory_limit: 
         if best is not None and top is best:
             continue
         if not top.fits:
-            states = state_memory(anatomy.shape, top.flavour, top.degrees, top.precision != "fp32").total
+            states = state_memory(anatomy.shape, top.flavour, top.degrees, top.precision).total
             rest = top.memory_per_device_bytes - states
             reasons.append(f"{name}: states {states / GIB:.1f} GiB + activations {rest / GIB:.1f} GiB per device "
                            f"> {memory_limit / GIB:.1f} GiB ({pct}), even at micro-batch {top.micro_batch} in "

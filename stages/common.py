@@ -31,15 +31,17 @@ class Workbench:
 
 
 def workbench(model: ModelConfig, data: DataConfig, seed: int) -> Workbench:
-    """The seeded model on this rank's device, what it declares, its loss and the data set."""
+    """The seeded model for this rank's device, what it declares, its loss and the data set. A
+    model that declares its initialisation comes on the meta device (spec.pending): `parallelize`
+    shards it, then gives this rank its shard; nothing holds the whole model."""
     from training.data import build_dataset
     from training.dist import device
-    from training.models import build_model, model_loss
-    from training.models.spec import model_spec
+    from training.models import model_loss
+    from training.parallel.materialize import build_on_device
 
     dev = device()
-    net = build_model(model, seed).to(dev)
-    return Workbench(net, model_spec(net, model), model_loss(model), build_dataset(data), dev)
+    net, spec = build_on_device(model, seed, dev)
+    return Workbench(net, spec, model_loss(model), build_dataset(data), dev)
 
 
 def log(stage: str, message: str) -> None:

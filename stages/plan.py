@@ -95,7 +95,8 @@ class Rulers:
     """Measured all_reduce busbw at the probe's largest size; None when not measured."""
     ruler_gbps: float
     memory_audit: list[AuditRow]
-    """Memory in use after each top-level module of one forward and backward (the seed's audit)."""
+    """Memory in use after each top-level module of one forward and backward of the micro-batch (the
+    seed's audit), counted on the meta device in the run's precision, attention as fused kernels run it."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,10 @@ class PlanResult:
     """plan.calibrate=true with earlier runs found: the scales applied to every prediction."""
     layouts: list[Candidate] = dataclasses.field(default_factory=list)
     """The fastest fitting setting of each layout, best first (at most ten): what plan.trials measures."""
+    flops_convention: str = "full"
+    """How `flops_per_sample` counts attention: `causal_half` (causal attention's score and value
+    products as half of the full s x s matrix, as NVIDIA NeMo's MFU counts it) or `full` (nothing
+    halved: no causal attention, or a plan from before the convention was recorded)."""
 
     def metrics(self) -> list[tuple[str, float, int]]:
         out = [("memory/peak_gib", self.peak_memory_bytes / GIB, 0), ("plan/flops_per_sample", self.flops_per_sample, 0)]
@@ -218,28 +223,28 @@ def step_strategy(cfg: PlanInputs) -> StrategyConfig:
                           bucket_cap_mb=cfg.strategy.bucket_cap_mb)
 
 
-def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:
+def measure(cfg: PlanInputs, bandwidth: BandwidthResult, anatomy: Anatomy) -> Rulers:
     """Rulers 1 and 3 on this device, ruler 2 from the probe. The step measured and timed is the
-    training step itself (training/step.py), with the run's precision and checkpointing."""
+    training step itself (training/step.py), with the run's precision and checkpointing; `anatomy`
+    (counted on the meta device: counted_on_meta) takes the activations that step saved."""
     import torch
 
-    from training.anatomy import measure_anatomy
+    from training.anatomy import meta_memory_audit
     from training.data import first_samples
     from training.dist import synchronize
-    from training.memory import StepProbe, device_memory_bytes, memory_audit
-    from training.models import batch_loss, to_device
+    from training.memory import StepProbe, device_memory_bytes
+    from training.models import to_device
     from training.overhead import measure_overheads
-    from training.parallel.compose import parallelize
+    from training.parallel.compose import build_optimizer, parallelize
     from training.step import optimizer_step
 
     bench = workbench(cfg.model, cfg.data, cfg.seed)
     model, dev = bench.model, bench.dev
     micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
     batch = to_device(first_samples(bench.dataset, micro), dev)
-    anatomy = measure_anatomy(model, bench.spec, bench.loss, batch)
-    audit = memory_audit(model, [b.module for b in bench.spec.blocks], lambda: batch_loss(model, batch, bench.loss), dev)
+    audit = meta_memory_audit(cfg.model, cfg.seed, to_device(batch, torch.device("meta")), cfg.strategy.precision)
     parallel = parallelize(model, bench.spec, step_strategy(cfg), dev, bench.loss)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = build_optimizer(parallel, 1e-4, 0.0)
     clip = cfg.train.grad_clip
 
     def step(probe: StepProbe | None = None, held: list | None = None) -> None:
@@ -279,28 +284,26 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult) -> Rulers:
     )
 
 
-def meta_sample(cfg: PlanInputs):  # noqa: ANN201 - a Batch on the meta device
-    """One sample of the data, on the meta device (what the model is measured on without memory)."""
+def meta_sample(cfg: PlanInputs, samples: int = 1):  # noqa: ANN201 - a Batch on the meta device
+    """The data's first `samples`, on the meta device (what the model is measured on without memory)."""
     import torch
 
     from training.data import build_dataset, first_samples
     from training.models import to_device
 
-    return to_device(first_samples(build_dataset(cfg.data), 1), torch.device("meta"))
+    return to_device(first_samples(build_dataset(cfg.data), samples), torch.device("meta"))
 
 
-def whatif_anatomy(cfg: PlanInputs) -> Anatomy:
-    """The model at its real shape on the meta device (no memory, no compute): its shape, FLOPs
-    and positions from a plain pass; the run's activations come from its variant (variant_costs)."""
-    import torch
+def counted_on_meta(cfg: PlanInputs):  # noqa: ANN201 - a training.anatomy.Counted
+    """The model at its real shape and micro-batch on the meta device (no memory, no compute, so
+    any sequence length): its shape, FLOPs and positions from a plain pass, and the FLOPs'
+    convention; the run's activations come from its variant (variant_costs) or its measured step."""
+    from training.anatomy import build_on_meta, measure_anatomy
+    from training.models import model_loss
 
-    from training.anatomy import measure_anatomy
-    from training.models import build_model, model_loss
-    from training.models.spec import model_spec
-
-    with torch.device("meta"):
-        model = build_model(cfg.model, cfg.seed)
-    return measure_anatomy(model, model_spec(model, cfg.model), model_loss(cfg.model), meta_sample(cfg))
+    model, spec = build_on_meta(cfg.model, cfg.seed)
+    return measure_anatomy(model, spec, model_loss(cfg.model), meta_sample(cfg, cfg.train.micro_batch_for(
+        data_parallel_size(cfg))))
 
 
 def variant_costs(cfg: PlanInputs, anatomy: Anatomy, measured_activations: float | None) -> list:
@@ -314,7 +317,11 @@ def variant_costs(cfg: PlanInputs, anatomy: Anatomy, measured_activations: float
              for precision, checkpointing in searched_variants(advice_inputs(cfg), anatomy.shape.layers)]
     if measured_activations is not None:
         own = (cfg.strategy.precision, cfg.strategy.activation_checkpointing)
-        costs = [dataclasses.replace(c, activation_bytes_per_sample=measured_activations)
+        # The measured step's bytes, split as the meta count split them.
+        costs = [dataclasses.replace(c, activation_bytes_per_sample=measured_activations,
+                                     activation_replicated_bytes_per_sample=measured_activations * (
+                                         c.activation_replicated_bytes_per_sample / c.activation_bytes_per_sample
+                                         if c.activation_bytes_per_sample else 0.0))
                  if (c.precision, c.activation_checkpointing) == own else c for c in costs]
     return costs
 
@@ -325,10 +332,11 @@ def workload(cfg: PlanInputs, anatomy: Anatomy) -> Workload:
         micro_batch=cfg.train.micro_batch_for(data_parallel_size(cfg)),
         grad_accum=cfg.train.grad_accum,
         microbatches=cfg.strategy.microbatches,
-        mixed=cfg.strategy.precision != "fp32",
+        precision=cfg.strategy.precision,
         checkpointing=cfg.strategy.activation_checkpointing == "full",
         tokens_per_sample=anatomy.tokens_per_sample,
         activation_bytes_per_sample=anatomy.activation_bytes_per_sample,
+        activation_replicated_bytes_per_sample=anatomy.activation_replicated_bytes_per_sample,
         bucket_cap_bytes=cfg.strategy.bucket_cap_mb * 1024**2,
         clip=cfg.train.grad_clip is not None,
         pp_schedule=cfg.strategy.pp_schedule,
@@ -465,14 +473,16 @@ def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult,
     """`history`: earlier runs' measured steps (the engine fills it from MLflow when
     plan.calibrate=true; empty otherwise)."""
     world = cfg.nodes * cfg.procs_per_node
-    rulers = measure(cfg, bandwidth)
+    counted = counted_on_meta(cfg)
+    rulers = measure(cfg, bandwidth, counted.anatomy)
     micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
-    anatomy = rulers.anatomy if cfg.cluster.measured else whatif_anatomy(cfg)
+    anatomy = counted.anatomy
     measured = rulers.activation_bytes / micro if cfg.cluster.measured else None
     costs = variant_costs(cfg, anatomy, measured)
     own = next(c for c in costs if (c.precision, c.activation_checkpointing) ==
                (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
-    anatomy = dataclasses.replace(anatomy, activation_bytes_per_sample=own.activation_bytes_per_sample)
+    anatomy = dataclasses.replace(anatomy, activation_bytes_per_sample=own.activation_bytes_per_sample,
+                                  activation_replicated_bytes_per_sample=own.activation_replicated_bytes_per_sample)
     w = workload(cfg, anatomy)
     hw = hardware(cfg, own.executed_flops_per_sample, rulers, bandwidth, micro)
     calibration = fit_calibration(history) if cfg.plan.calibrate else None
@@ -487,7 +497,8 @@ def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult,
                        "the uncalibrated model")
     choice = fields["recommended"].strategy if fields["recommended"] is not None else cfg.strategy.name
     result = PlanResult(choice, reasons, rulers.peak_memory_bytes, anatomy.flops_per_sample, rulers, anatomy, world,
-                        micro, lr=lr_find.scaled(target), lr_rule=lr_find.lr_scaling, calibration=calibration, **fields)
+                        micro, lr=lr_find.scaled(target), lr_rule=lr_find.lr_scaling, calibration=calibration,
+                        flops_convention=counted.flops_convention, **fields)
     for line in [*reasons, result.table()]:
         log("plan", line)
     return result
@@ -501,18 +512,21 @@ def whatif(cfg: PlanInputs) -> PlanResult:
         raise ValueError(f"cluster={cfg.cluster.name} is measured by running: use pipeline=full, or a described "
                          "cluster such as cluster=h100-80g-ndr for a what-if plan")
     world = cfg.nodes * cfg.procs_per_node
-    anatomy = whatif_anatomy(cfg)
+    counted = counted_on_meta(cfg)
+    anatomy = counted.anatomy
     costs = variant_costs(cfg, anatomy, None)
     own = next(c for c in costs if (c.precision, c.activation_checkpointing) ==
                (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
-    anatomy = dataclasses.replace(anatomy, activation_bytes_per_sample=own.activation_bytes_per_sample)
+    anatomy = dataclasses.replace(anatomy, activation_bytes_per_sample=own.activation_bytes_per_sample,
+                                  activation_replicated_bytes_per_sample=own.activation_replicated_bytes_per_sample)
     w = workload(cfg, anatomy)
     hw = hardware(cfg, own.executed_flops_per_sample, None, None, w.micro_batch)
     fields, reasons = advise_plan(cfg, anatomy, costs, hw, w, None)
     best = fields["recommended"]
     result = PlanResult(best.strategy if best is not None else cfg.strategy.name, reasons,
                         int(best.memory_per_device_bytes) if best is not None else 0, anatomy.flops_per_sample, None,
-                        anatomy, world, w.micro_batch, lr=None, lr_rule=None, calibration=None, **fields)
+                        anatomy, world, w.micro_batch, lr=None, lr_rule=None, calibration=None,
+                        flops_convention=counted.flops_convention, **fields)
     print(f"what-if: model={cfg.model.name} ({w.shape.params / 1e9:.2f} B parameters) on cluster={cfg.cluster.name}, "
           f"{cfg.nodes} nodes x {cfg.procs_per_node} = {world} devices")
     print(result.table())

@@ -4,7 +4,10 @@ Nothing is derived from a shape only one model has: the parameters are counted, 
 forward + backward are counted by torch's FlopCounterMode, the bytes autograd saves for backward
 are counted by saved-tensor hooks, and a block's output is looked at for its width and positions.
 On the meta device all of it works without memory or compute (a 70 B model at its real shape in
-seconds on a laptop), which is how a what-if plan measures a model larger than any device here.
+seconds on a laptop), which is how every plan measures a model, whatever its size or sequence.
+
+Attention is counted as the fused kernels run it (no b x heads x s x s matrix saved), and causal
+attention's FLOPs as half of the full score matrix (FlopCount).
 """
 
 from __future__ import annotations
@@ -17,12 +20,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, bmm_flop, sdpa_backward_flop_count, sdpa_flop_count
 
 from training.config import ModelConfig
 from training.costmodel import Anatomy, Shape
-from training.memory import SavedActivations
+from training.memory import AuditRow, SavedActivations, memory_audit
 from training.models import Batch, LossFn, batch_loss, batch_size, build_model, model_loss, tokens_per_sample
 from training.models.spec import ContractError, ModelSpec, model_spec, tp_divisors
 
@@ -44,8 +46,67 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
     return None
 
 
-def measure_anatomy(model: nn.Module, spec: ModelSpec, loss: LossFn, batch: Batch) -> Anatomy:
-    """One counted forward and backward of `batch` through `model` (any device, meta included)."""
+@dataclass(frozen=True)
+class Counted:
+    """A model's anatomy, and the convention its FLOPs were counted by."""
+
+    anatomy: Anatomy
+    flops_convention: str
+    """`causal_half`: causal attention's score and value products were counted as half of the full
+    s x s matrix (NVIDIA NeMo's model-FLOPs formulas and FlashAttention's benchmarks: the fused
+    kernels skip the masked half); `full`: nothing was halved (no causal attention was seen)."""
+
+
+class FlopCount:
+    """FLOPs counted by torch's FlopCounterMode, attention as the fused kernels run it: a causal
+    call (`is_causal=True`) counts half of the s x s score and value products, and a kernel's
+    recomputation of the scores in backward is not counted (as activation checkpointing's isn't).
+    A call with an explicit mask runs the math path and counts in full: on the meta device a
+    mask's values, causal or not, are unknown."""
+
+    def __init__(self) -> None:
+        self.causal_calls = 0
+        self._mode = FlopCounterMode(display=False, custom_mapping={
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: self._forward,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: self._backward,
+        })
+
+    def _share(self, flops: int, is_causal: bool) -> int:
+        self.causal_calls += bool(is_causal)
+        return flops // 2 if is_causal else flops
+
+    def _forward(self, q: Any, k: Any, v: Any, dropout_p: float = 0.0, is_causal: bool = False, *args: Any,
+                 out_shape: Any = None, **kwargs: Any) -> int:
+        return self._share(sdpa_flop_count(q, k, v), is_causal)
+
+    def _backward(self, grad_out: Any, q: Any, k: Any, v: Any, out: Any, logsumexp: Any, dropout_p: float = 0.0,
+                  is_causal: bool = False, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        b, heads, s_q, d = q
+        recompute = bmm_flop((b * heads, s_q, d), (b * heads, d, k[-2]))
+        return self._share(sdpa_backward_flop_count(grad_out, q, k, v) - recompute, is_causal)
+
+    @property
+    def total(self) -> int:
+        return self._mode.get_total_flops()
+
+    @property
+    def convention(self) -> str:
+        return "causal_half" if self.causal_calls else "full"
+
+    def __enter__(self) -> FlopCount:
+        self._attention = fused_attention_on_meta()
+        self._attention.__enter__()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+        self._attention.__exit__(*exc)
+
+
+def measure_anatomy(model: nn.Module, spec: ModelSpec, loss: LossFn, batch: Batch) -> Counted:
+    """One counted forward and backward of `batch` through `model`, on the meta device (no memory,
+    no compute; the plan's way) or the CPU; attention as the fused kernels run it (FlopCount)."""
     seen: dict[str, torch.Tensor] = {}
     watched = spec.blocks[0].module if spec.blocks else model
 
@@ -57,7 +118,7 @@ def measure_anatomy(model: nn.Module, spec: ModelSpec, loss: LossFn, batch: Batc
     hook = watched.register_forward_hook(keep_output)
     saved = SavedActivations(model)
     try:
-        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as flops, saved:
+        with FlopCount() as flops, saved:
             batch_loss(model, batch, loss).backward()
     finally:
         hook.remove()
@@ -66,12 +127,13 @@ def measure_anatomy(model: nn.Module, spec: ModelSpec, loss: LossFn, batch: Batc
     out = seen.get("out")
     hidden = out.shape[-1] if out is not None and out.dim() >= 2 else 1
     positions = out.numel() // (samples * hidden) if out is not None else 1
-    return Anatomy(
+    anatomy = Anatomy(
         shape=shape_of(model, spec, hidden, positions),
-        flops_per_sample=flops.get_total_flops() / samples,
+        flops_per_sample=flops.total / samples,
         activation_bytes_per_sample=saved.bytes / samples,
         tokens_per_sample=tokens_per_sample(batch),
     )
+    return Counted(anatomy, flops.convention)
 
 
 def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> Shape:
@@ -112,7 +174,7 @@ def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> 
 def _fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
                      dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                      enable_gqa: bool = False) -> torch.Tensor:
-    if attn_mask is not None:
+    if attn_mask is not None or q.device.type not in ("cpu", "meta"):
         return _MATH_SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                           enable_gqa=enable_gqa)
     if k.shape[-3] != q.shape[-3]:
@@ -152,30 +214,51 @@ class VariantCost:
     """What the device computes: the model's FLOPs, plus the recomputed forward under checkpointing."""
     activation_bytes_per_sample: float
     """Saved for backward, as a GPU's fused attention saves it."""
+    activation_replicated_bytes_per_sample: float = 0.0
+    """The part of it tensor parallelism leaves whole on every rank (training/activations.py)."""
+
+
+def build_on_meta(cfg: ModelConfig, seed: int, precision: str = "fp32",
+                  checkpointing: str = "none") -> tuple[nn.Module, ModelSpec]:
+    """The model at its real shape on the meta device (nothing allocated), in `precision` as the
+    trainer runs it (low-precision parameters, floating inputs cast at its entry:
+    training/parallel/precision.py) and with `checkpointing`."""
+    from training.parallel.ac import apply_ac
+    from training.parallel.precision import apply_low_precision
+
+    with torch.device("meta"):
+        model = build_model(cfg, seed)
+    if DTYPES[precision] is not None:
+        apply_low_precision(model, DTYPES[precision])
+    spec = model_spec(model, cfg)
+    if checkpointing == "full":
+        apply_ac(spec.blocks)
+    return model, spec
 
 
 def measure_variant(cfg: ModelConfig, seed: int, sample: Batch, precision: str, checkpointing: str) -> VariantCost:
     """The model at its real shape on the meta device, in `precision` with `checkpointing`: its
     saved activations and executed FLOPs for one sample (`sample`, on the meta device)."""
-    from training.parallel.ac import apply_ac
+    from training.activations import measure_tp_split
 
-    def build() -> tuple[nn.Module, ModelSpec]:
-        with torch.device("meta"):
-            model = build_model(cfg, seed)
-        if DTYPES[precision] is not None:
-            model = model.to(DTYPES[precision])
-        spec = model_spec(model, cfg)
-        if checkpointing == "full":
-            apply_ac(spec.blocks)
-        return model, spec
-
-    loss = model_loss(cfg)
-    model, _ = build()
-    saved = SavedActivations(model)
-    with fused_attention_on_meta(), saved:
-        batch_loss(model, sample, loss).backward()
-    model, _ = build()
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as flops:
-        batch_loss(model, sample, loss).backward()
+    model, spec = build_on_meta(cfg, seed, precision, checkpointing)
+    try:  # checkpointed blocks save only their inputs, whole under TP: nothing to split
+        plan = spec.tp_plan(model) if checkpointing == "none" and spec.plan is not None else {}
+    except ContractError:
+        plan = {}
+    with FlopCount() as flops:
+        split = measure_tp_split(model, plan, lambda: batch_loss(model, sample, model_loss(cfg)))
     samples = batch_size(sample)
-    return VariantCost(precision, checkpointing, flops.get_total_flops() / samples, saved.bytes / samples)
+    return VariantCost(precision, checkpointing, flops.total / samples, split.saved_bytes / samples,
+                       split.replicated_bytes / samples)
+
+
+def meta_memory_audit(cfg: ModelConfig, seed: int, batch: Batch, precision: str) -> list[AuditRow]:
+    """training/memory.py's audit of one forward and backward of `batch` (on the meta device), the
+    model built there in `precision` as the trainer runs it: the live set counted from the tensors,
+    attention as the fused kernels save it; nothing allocated at any size."""
+    model, spec = build_on_meta(cfg, seed, precision)
+    loss = model_loss(cfg)
+    with fused_attention_on_meta():
+        return memory_audit(model, [b.module for b in spec.blocks], lambda: batch_loss(model, batch, loss),
+                            torch.device("meta"))

@@ -63,7 +63,7 @@ def _master_state(model: nn.Module, optimizer: MasterAdamW) -> dict:
     fqn = {}
     for name, p in model.named_parameters():
         (fqn[p],) = _get_fqns(model, name)
-    masters = dict(optimizer.pairs)
+    masters = {piece.param: m for piece, m in optimizer.pairs}
     model_sd = {fqn[p]: masters[p] for p in masters}
     state = {fqn[p]: optimizer.state[m] for p, m in masters.items()}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn[p] for p in masters]}

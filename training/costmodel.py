@@ -2,10 +2,14 @@
 
 Pure arithmetic on shapes and measurements (no torch), so that `pipeline=plan` answers what-if
 questions for a 70B model on 512 GPUs in milliseconds. Sources of the formulas:
-- memory: the ZeRO paper (Rajbhandari et al. 2020): mixed-precision Adam holds 2Ψ + 2Ψ + 12Ψ
-  bytes (fp16 params, fp16 grads, fp32 master + two moments); plain fp32 Adam 4Ψ + 4Ψ + 8Ψ.
+- memory: what the trainer allocates, term by term (states_per_param, fsdp_working_set,
+  activations): bf16 holds 2Ψ + 2Ψ + 12Ψ bytes (bf16 params and grads, fp32 master + two moments)
+  as the ZeRO paper counts, with the 12Ψ sharded under zero1 (training/optim.py) and all 16Ψ under
+  FSDP; fp32 Adam 4Ψ + 4Ψ + 8Ψ.
 - activations: measured (the bytes autograd saves, per sample) and divided as the layout divides
-  them: over pipeline stages by blocks, over tensor-parallel ranks by their degree.
+  them: over pipeline stages by blocks and the schedule's microbatches in flight, over
+  tensor-parallel ranks only the part its plan splits (no sequence parallelism: the norms' and
+  the split linears' inputs stay whole on every rank).
 - collectives: nccl-tests' bus-bandwidth factors; time = α + bus bytes / busbw (an α–β model
   fitted to the bandwidth probe).
 - pipeline bubble: (p − 1) / (m + p − 1) of the step for GPipe and 1F1B (Narayanan et al. 2021).
@@ -27,10 +31,12 @@ COSTMODEL_VERSION = 3
 overhead; 3: FSDP gathers per micro-batch, the last bucket's reduction never hidden, recomputation
 in compute): plan.calibrate only fits runs predicted by the same version."""
 
-ADAM_FP32 = (4, 4, 8)
-"""Bytes per parameter for params, grads, optimizer state: fp32 training with Adam."""
-ADAM_MIXED = (2, 2, 12)
-"""The ZeRO paper's mixed precision: 16-bit params and grads, fp32 master weights + 2 moments."""
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes of a parameter or activation as the step computes with it."""
+MASTER_BYTES = 4
+"""FSDP's sharded parameters, their gradients (reduce_dtype) and a master weight: fp32."""
+MOMENT_BYTES = 8
+"""AdamW's two fp32 moments."""
 
 
 @dataclass(frozen=True)
@@ -66,13 +72,17 @@ class Anatomy:
 
     shape: Shape
     flops_per_sample: float
-    """Forward + backward FLOPs of one sample (FlopCounterMode; attention counted by its math path;
-    activation checkpointing's recomputation not counted, as MFU conventions do)."""
+    """Forward + backward FLOPs of one sample (counted on the meta device, causal attention's score
+    and value products as half the matrix: the plan records the convention; activation
+    checkpointing's recomputation not counted, as MFU conventions do)."""
     activation_bytes_per_sample: float
     """Bytes autograd saved for backward per sample (parameters excluded), in the measured
     precision and with the measured activation checkpointing."""
     tokens_per_sample: int
     """Positions per sample (an integer input's length), 1 for feature or image inputs."""
+    activation_replicated_bytes_per_sample: float = 0.0
+    """The part of the activations tensor parallelism leaves whole on every rank (no sequence
+    parallelism: what is saved outside the layers its plan splits); 0: not measured."""
 
 
 # ---- memory ---------------------------------------------------------------------------------
@@ -83,39 +93,85 @@ class Memory:
     param_bytes: float
     grad_bytes: float
     optim_bytes: float
+    """The optimizer's own tensors: Adam's moments, and the fp32 masters of bf16 parameters."""
     activation_bytes: float
+    working_bytes: float = 0.0
+    """FSDP's transient working set: gathered units, the prefetched one, a unit's unsharded
+    gradients and their fp32 reduce-scatter buffer (fsdp_working_set)."""
+
+    @property
+    def states(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.optim_bytes
 
     @property
     def total(self) -> float:
-        return self.param_bytes + self.grad_bytes + self.optim_bytes + self.activation_bytes
+        return self.states + self.activation_bytes + self.working_bytes
 
 
 def params_per_rank(shape: Shape, d: ParallelDims) -> float:
     """Parameters one rank holds before data-parallel sharding: TP splits the block linears,
-    PP keeps a 1/pp share of the blocks plus the heaviest end (first or last stage)."""
+    PP keeps the fullest stage's blocks (ceil(layers / pp)) plus the heaviest end (first or last
+    stage)."""
     linears = shape.block_linear_params
     blocks = shape.params - shape.first_stage_params - shape.last_stage_params
     per_block = (blocks - linears) + linears / d.tp
     if d.pp == 1:
         return shape.first_stage_params + shape.last_stage_params + per_block
-    return per_block / d.pp + max(shape.first_stage_params, shape.last_stage_params)
+    share = math.ceil(shape.layers / d.pp) / max(shape.layers, 1)
+    return per_block * share + max(shape.first_stage_params, shape.last_stage_params)
 
 
-def state_memory(shape: Shape, strategy: str, d: ParallelDims, mixed: bool, reshard: bool = True) -> Memory:
-    """Parameters, gradients and optimizer state per rank (the ZeRO paper's accounting): what the
-    strategy shards (ZeRO-1 over every data-parallel rank, FSDP over dp_shard) divided by its
-    ranks; a layout strategy that declares nothing (tp, pp, hybrid) shards all three when its
-    dp_shard is above 1 (FSDP)."""
-    p_bytes, g_bytes, o_bytes = ADAM_MIXED if mixed else ADAM_FP32
+def keeps_gathered(strategy: str, reshard: bool = True) -> bool:
+    """FSDP keeps each unit's gathered parameters from forward to backward (ZeRO-2), or frees
+    and gathers them again (ZeRO-3)."""
+    return not (reshard and strategies.get(strategy).reshard_after_forward)
+
+
+def states_per_param(strategy: str, d: ParallelDims, precision: str, reshard: bool = True) -> tuple[float, float, float]:
+    """Bytes per parameter of this rank's share for (parameters, gradients, optimizer), as the
+    trainer allocates them (training/parallel/compose.py):
+
+    - FSDP (d.uses_fsdp): fp32 parameters, gradients and moments sharded over dp_shard (16 / N), in
+      any precision (MixedPrecisionPolicy computes with gathered copies); ZeRO-2 keeps the gathered
+      compute copy of every unit through backward (+ 2 or 4).
+    - otherwise, bf16: bf16 parameters and gradients, the optimizer's fp32 master and moments
+      (2 + 2 + 12), the 12 sharded over the data-parallel ranks by zero1 (the ZeRO paper's P_os);
+      fp16 runs autocast over fp32 parameters, whose fp16 weight copies live until backward
+      (4 + 2, 4, 8); fp32: 4 + 4 + 8. DDP's gradients are views of its buckets: no second copy."""
+    c = COMPUTE_BYTES[precision]
+    if d.uses_fsdp:
+        n = d.dp_shard
+        gathered = c if keeps_gathered(strategy, reshard) else 0.0
+        return MASTER_BYTES / n + gathered, MASTER_BYTES / n, MOMENT_BYTES / n
+    sharded = d.dp_size if strategies.get(strategy).shards_optimizer_only else 1
+    if precision == "bf16":
+        return c, c, (MASTER_BYTES + MOMENT_BYTES) / sharded
+    autocast_copies = c if precision == "fp16" else 0
+    return MASTER_BYTES + autocast_copies, MASTER_BYTES, MOMENT_BYTES / sharded
+
+
+def state_memory(shape: Shape, strategy: str, d: ParallelDims, precision: str, reshard: bool = True) -> Memory:
+    """Parameters, gradients and optimizer state of one rank (states_per_param x its parameters)."""
     psi = params_per_rank(shape, d)
-    s = strategies.get(strategy)
-    if s.shards_optimizer_only:
-        return Memory(p_bytes * psi, g_bytes * psi, o_bytes * psi / d.dp_size, 0)
-    shards = s.shards or (frozenset(("optimizer", "gradients", "parameters")) if not s.is_flavour else frozenset())
-    over = d.dp_shard
-    keeps_params = "parameters" not in shards or not (reshard and s.reshard_after_forward)
-    return Memory(p_bytes * psi / (1 if keeps_params else over), g_bytes * psi / (over if "gradients" in shards else 1),
-                  o_bytes * psi / (over if "optimizer" in shards else 1), 0)
+    p, g, o = states_per_param(strategy, d, precision, reshard)
+    return Memory(p * psi, g * psi, o * psi, 0)
+
+
+def fsdp_working_set(shape: Shape, strategy: str, d: ParallelDims, precision: str, reshard: bool = True) -> float:
+    """FSDP2's transient bytes at the peak of backward, beyond the sharded states: the root unit's
+    gathered parameters (the root is never resharded after forward), the unit in backward and the
+    next one prefetched, gathered (ZeRO-3 only: ZeRO-2's are counted in its states), and that
+    unit's unsharded gradients in the compute dtype plus the fp32 buffer they are reduce-scattered
+    from. A unit is one block (the largest share: every block alike) split by TP."""
+    if not d.uses_fsdp:
+        return 0.0
+    c = COMPUTE_BYTES[precision]
+    block = (shape.params - shape.first_stage_params - shape.last_stage_params) / max(shape.layers, 1)
+    block -= shape.block_linear_params / max(shape.layers, 1) * (1 - 1 / d.tp)
+    ends = max(shape.first_stage_params, shape.last_stage_params) if d.pp > 1 else (
+        shape.first_stage_params + shape.last_stage_params)
+    gathered = 0.0 if keeps_gathered(strategy, reshard) else c * (ends + 2 * block)
+    return gathered + (c + MASTER_BYTES) * block
 
 
 def activation_tensor_bytes(batch: int, seq: int, hidden: int, dtype_bytes: int) -> int:
@@ -217,14 +273,18 @@ def fsdp_units(shape: Shape) -> int:
 
 
 def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, grad_accum: int, microbatches: int,
-              dtype_bytes: int, link: Callable[[str, int], Link], bucket_cap_bytes: float = 25 * 1024**2,
+              precision: str, link: Callable[[str, int], Link], bucket_cap_bytes: float = 25 * 1024**2,
               clip: bool = False) -> Comm:
     """Per-step communication of each strategy in seconds (ZeRO's, Megatron's and GPipe's
     volumes, in the calls each implementation makes: every call pays the link's latency, which is
     what dominates a small model or a slow link); `link(collective, ranks)` is the fitted α–β
     model for that collective and span."""
     psi = params_per_rank(shape, d)
-    grads = 4 * psi  # reduced in fp32 (DDP's buckets; FSDP's reduce_dtype)
+    dtype_bytes = COMPUTE_BYTES[precision]
+    # The gradients as reduced: FSDP's reduce_dtype is fp32; DDP reduces the parameters' dtype
+    # (bf16 parameters; fp32 ones under fp32 and fp16's autocast), as do zero1's broadcasts.
+    stored = dtype_bytes if precision == "bf16" else MASTER_BYTES
+    grads = (MASTER_BYTES if d.uses_fsdp else stored) * psi
     params = dtype_bytes * psi
     n, world = d.dp_size, d.world_size
     units = fsdp_units(shape)
@@ -258,8 +318,8 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
         buckets = ddp_buckets(grads, bucket_cap_bytes)
         dp_s = call("all_reduce", grads, n, buckets)
         tail = link("all_reduce", world).time("all_reduce", min(grads, bucket_cap_bytes), n)
-        if strategies.get(strategy).shards_optimizer_only:  # then each rank's updated partition to the others
-            dp_s += call("all_gather", params, n)
+        if strategies.get(strategy).shards_optimizer_only:  # then each rank broadcasts the partition it updated
+            dp_s += call("broadcast", stored * psi, n, n)
     activation = activation_tensor_bytes(micro_batch, shape.seq_len, shape.hidden, dtype_bytes)
     layers = math.ceil(shape.layers / d.pp)
     # TP: two all-reduces per block in forward, two in backward, per micro-batch, inside a TP group.
@@ -362,12 +422,16 @@ class Workload:
     micro_batch: int
     grad_accum: int
     microbatches: int
-    mixed: bool
+    precision: str
+    """`fp32`, `bf16` or `fp16`: what the states and activations are held in (states_per_param)."""
     checkpointing: bool
     tokens_per_sample: int
     activation_bytes_per_sample: float
     """Bytes saved for backward per sample, measured on one device (or the meta device) with the
     run's precision and activation checkpointing."""
+    activation_replicated_bytes_per_sample: float = 0.0
+    """The part of them tensor parallelism leaves whole on every rank (what is saved outside the
+    layers its plan splits: norms, residuals, the split linears' inputs); 0: all of it splits."""
     bucket_cap_bytes: float = 25 * 1024**2
     """DDP's gradient bucket size (strategy.bucket_cap_mb)."""
     seconds_per_sample: float | None = None
@@ -544,15 +608,30 @@ def feasible(shape: Shape, d: ParallelDims, w: Workload) -> bool:
     return True
 
 
+def activation_memory(w: Workload, d: ParallelDims) -> float:
+    """The activations one rank holds at the peak: its pipeline stage's share of the blocks, for
+    the microbatches the schedule keeps in flight (GPipe all m; 1F1B min(m, p) on the first stage),
+    with TP dividing only what its plan splits (no sequence parallelism)."""
+    per_sample = w.activation_bytes_per_sample
+    if d.tp > 1:
+        kept = w.activation_replicated_bytes_per_sample
+        per_sample = kept + (per_sample - kept) / d.tp
+    if d.pp == 1:
+        return per_sample * w.micro_batch
+    layers_share = math.ceil(w.shape.layers / d.pp) / max(w.shape.layers, 1)
+    in_flight = min(w.microbatches, d.pp) if w.pp_schedule == "1f1b" else w.microbatches
+    return per_sample * w.micro_batch / w.microbatches * in_flight * layers_share
+
+
+def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:
+    """One rank's memory at the peak of a step, term by term, as the trainer allocates it."""
+    states = state_memory(w.shape, strategy, d, w.precision)
+    return dataclasses.replace(states, activation_bytes=activation_memory(w, d),
+                               working_bytes=fsdp_working_set(w.shape, strategy, d, w.precision))
+
+
 def memory_per_device(w: Workload, strategy: str, d: ParallelDims) -> float:
-    """Parameters, gradients and optimizer state (the ZeRO paper's accounting) plus the measured
-    activations: a pipeline stage holds its share of the blocks for the microbatches in flight
-    (min(m, p) of m under 1F1B), tensor parallelism splits them over its ranks."""
-    state = state_memory(w.shape, strategy, d, w.mixed)
-    layers_share = math.ceil(w.shape.layers / d.pp) / max(w.shape.layers, 1) if d.pp > 1 else 1.0
-    in_flight = min(w.microbatches, d.pp) / w.microbatches if d.pp > 1 and w.pp_schedule == "1f1b" else 1.0
-    activations = w.activation_bytes_per_sample * w.micro_batch * layers_share * in_flight / d.tp
-    return state.total + activations
+    return memory_breakdown(w, strategy, d).total
 
 
 def predict(w: Workload, hw: Hardware, strategy: str, devices: int, memory_limit: float, overlap: float,
@@ -573,8 +652,7 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: ParallelDims, mem
         return None
     name = name or flavour
     devices = d.world_size
-    dtype_bytes = 2 if w.mixed else 4
-    comm = comm_time(w.shape, flavour, d, w.micro_batch, w.grad_accum, w.microbatches, dtype_bytes, hw.link,
+    comm = comm_time(w.shape, flavour, d, w.micro_batch, w.grad_accum, w.microbatches, w.precision, hw.link,
                      w.bucket_cap_bytes, w.clip)
     per_sample = w.seconds_per_sample if w.seconds_per_sample is not None else hw.seconds_per_sample
     compute = per_sample * hw.contention(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp)

@@ -50,9 +50,9 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tu
     grad_bytes = sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
     optim_bytes = 0
     if optimizer is not None:
-        own = {id(p) for p in params}
+        own = {storage_id(p) for p in params}  # zero1's fp32 masters are views of the parameters
         for group in optimizer.param_groups:
-            optim_bytes += sum(tensor_bytes(m) for m in group["params"] if id(m) not in own)
+            optim_bytes += sum(tensor_bytes(m) for m in group["params"] if storage_id(m) not in own)
         for state in optimizer.state.values():
             optim_bytes += sum(tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
     return param_bytes, grad_bytes, optim_bytes
@@ -200,8 +200,9 @@ def memory_audit(model: nn.Module, blocks: list[nn.Module], loss: Callable[[], t
                  dev: torch.device) -> list[AuditRow]:
     """The memory in use after each top-level module (each block a row) of one forward and backward.
 
-    On CPU the live set is counted: parameters + the activations saved so far (attributed to the
-    module that saved them) + gradients; a module's activations are freed once its backward ran."""
+    On CPU and the meta device (the plan's audit: training/anatomy.py meta_memory_audit) the live set
+    is counted: parameters + the activations saved so far (attributed to the module that saved them)
+    + gradients; a module's activations are freed once its backward ran."""
     import torch
 
     modules = top_level_modules(model, blocks)

@@ -21,6 +21,7 @@ step, so that what a rank holds is there to count (the dry run counts it on the 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,16 +35,38 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def partition(params: list[nn.Parameter], ranks: int) -> list[int]:
-    """The rank that updates each parameter: largest first, each to the least-loaded rank
-    (ZeroRedundancyOptimizer's rule), so that every rank computes the same partition."""
-    load = [0] * ranks
-    owner = [0] * len(params)
-    for i in sorted(range(len(params)), key=lambda i: -_local(params[i]).numel()):
-        r = min(range(ranks), key=lambda r: load[r])
-        owner[i] = r
-        load[r] += _local(params[i]).numel()
-    return owner
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    local = _local(t).detach()
+    assert local.is_contiguous(), "parameters are contiguous"
+    return local.view(-1)
+
+
+@dataclass
+class Piece:
+    """A run of one parameter's elements that one rank updates: all of it, or under zero1 the
+    part of it that falls in that rank's even share of the model's flattened parameters."""
+
+    param: nn.Parameter
+    start: int
+    stop: int
+
+
+def partition(params: list[nn.Parameter], ranks: int) -> list[list[Piece]]:
+    """Each rank's pieces: the parameters' local elements laid end to end and cut into `ranks`
+    equal ranges, as Megatron's distributed optimizer cuts its flat buffer (a whole-parameter
+    partition leaves the rank that gets the embedding with several times its share)."""
+    sizes = [_local(p).numel() for p in params]
+    total = sum(sizes)
+    bounds = [total * r // ranks for r in range(ranks + 1)]
+    out: list[list[Piece]] = [[] for _ in range(ranks)]
+    offset = 0
+    for p, size in zip(params, sizes, strict=True):
+        for r in range(ranks):
+            lo, hi = max(bounds[r], offset), min(bounds[r + 1], offset + size)
+            if lo < hi:
+                out[r].append(Piece(p, lo - offset, hi - offset))
+        offset += size
+    return out
 
 
 def init_state(optimizer: torch.optim.Optimizer) -> None:
@@ -62,32 +85,54 @@ class MasterAdamW(torch.optim.AdamW):
     """AdamW whose parameters are the fp32 masters of this rank's share of the model.
 
     `masters` maps a model parameter to its fp32 master (the fp32 parameter it was cast from);
-    a parameter not in it is its own master. With `group`, each rank updates the partition
-    `partition` assigns it and broadcasts it after the step (zero1)."""
+    a parameter not in it is its own master. With `group` (zero1), each rank updates an even
+    share of the parameters' elements (`partition`) and broadcasts it after the step; a master
+    is then a slice, of the fp32 parameter itself in fp32 (nothing copied)."""
 
     def __init__(self, params: list[nn.Parameter], masters: dict[nn.Parameter, torch.Tensor], lr: float,
                  weight_decay: float, group: dist.ProcessGroup | None = None):
         self.model_params = params
         self.group = group
-        ranks = dist.get_world_size(group) if group is not None else 1
-        self.owners = partition(params, ranks) if group is not None else [0] * len(params)
-        me = dist.get_rank(group) if group is not None else 0
-        self.pairs = [(p, masters.get(p, p)) for p, owner in zip(params, self.owners, strict=True) if owner == me]
+        if group is None:
+            self.shares = [[Piece(p, 0, _local(p).numel()) for p in params]]
+            self.pairs = [(piece, masters.get(piece.param, piece.param)) for piece in self.shares[0]]
+        else:
+            self.shares = partition(params, dist.get_world_size(group))
+            mine = self.shares[dist.get_rank(group)]
+            self.pairs = [(piece, self._slice(piece, masters)) for piece in mine]
         super().__init__([m for _, m in self.pairs], lr=lr, weight_decay=weight_decay)
         init_state(self)
+
+    @staticmethod
+    def _slice(piece: Piece, masters: dict[nn.Parameter, torch.Tensor]) -> torch.Tensor:
+        source = masters.get(piece.param)
+        if source is None:  # fp32: a view of the parameter, updated in place
+            return _flat(piece.param)[piece.start:piece.stop]
+        return _flat(source)[piece.start:piece.stop].clone()
 
     @property
     def partitioned(self) -> bool:
         return self.group is not None
 
-    def _chunks(self) -> Iterator[list[tuple[nn.Parameter, torch.Tensor]]]:
-        chunk: list[tuple[nn.Parameter, torch.Tensor]] = []
+    @property
+    def has_masters(self) -> bool:
+        """Whether it keeps copies of the model's parameters (bf16 training without FSDP)."""
+        return any(not _shares_storage(piece.param, m) for piece, m in self.pairs)
+
+    def _grad(self, piece: Piece) -> torch.Tensor:
+        grad = piece.param.grad
+        if self.group is None:
+            return grad
+        return _flat(grad)[piece.start:piece.stop]
+
+    def _chunks(self) -> Iterator[list[tuple[Piece, torch.Tensor]]]:
+        chunk: list[tuple[Piece, torch.Tensor]] = []
         size = 0
-        for p, m in self.pairs:
-            if p.grad is None:
+        for piece, m in self.pairs:
+            if piece.param.grad is None:
                 continue
-            chunk.append((p, m))
-            size += 4 * _local(m).numel()
+            chunk.append((piece, m))
+            size += 4 * (piece.stop - piece.start)
             if size >= CHUNK_BYTES:
                 yield chunk
                 chunk, size = [], 0
@@ -98,30 +143,36 @@ class MasterAdamW(torch.optim.AdamW):
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         assert closure is None, "MasterAdamW takes no closure"
         for chunk in self._chunks():
-            copied = [(p, m) for p, m in chunk if m is not p]
-            for p, m in copied:
-                m.grad = p.grad.to(m.dtype)
+            for piece, m in chunk:
+                m.grad = self._grad(piece).to(m.dtype)
             super().step()
-            for p, m in copied:
+            for piece, m in chunk:
                 m.grad = None
-                p.copy_(m)
+                self._write_back(piece, m)
         if self.group is not None:
-            self._broadcast_partitions()
+            self._broadcast_shares()
 
-    def _broadcast_partitions(self) -> None:
-        """Each rank's updated partition to the others: one broadcast per owner, of its
-        parameters flattened (in the model's dtype), so the transient is one partition."""
-        ranks = dist.get_world_size(self.group)
-        for owner in range(ranks):
-            mine = [_local(p) for p, o in zip(self.model_params, self.owners, strict=True) if o == owner]
-            if not mine:
+    def _write_back(self, piece: Piece, master: torch.Tensor) -> None:
+        if _shares_storage(piece.param, master):
+            return
+        if self.group is None:
+            piece.param.copy_(master)
+        else:
+            _flat(piece.param)[piece.start:piece.stop].copy_(master)
+
+    def _broadcast_shares(self) -> None:
+        """Each rank's updated share to the others: one broadcast per rank, of its pieces
+        flattened in the model's dtype, so the transient is one share."""
+        for owner, pieces in enumerate(self.shares):
+            if not pieces:
                 continue
-            flat = torch.cat([t.detach().reshape(-1) for t in mine])
+            views = [_flat(piece.param)[piece.start:piece.stop] for piece in pieces]
+            flat = torch.cat(views)
             dist.broadcast(flat, src=dist.get_global_rank(self.group, owner), group=self.group)
             offset = 0
-            for t in mine:
-                t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+            for view in views:
+                view.copy_(flat[offset:offset + view.numel()])
+                offset += view.numel()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -130,11 +181,6 @@ class MasterAdamW(torch.optim.AdamW):
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
-
-    @property
-    def has_masters(self) -> bool:
-        """Whether it keeps copies of the model's parameters (bf16 training without FSDP)."""
-        return any(m is not p for p, m in self.pairs)
 
     def state_dict(self) -> dict:
         """AdamW's state, and the masters' values (a checkpoint must keep the fp32 truth)."""
@@ -152,8 +198,11 @@ class MasterAdamW(torch.optim.AdamW):
     def copy_to_model(self) -> None:
         """Write the masters into the model's parameters (after loading a checkpoint)."""
         with torch.no_grad():
-            for p, m in self.pairs:
-                if m is not p:
-                    p.copy_(m)
-        if self.group is not None:
-            self._broadcast_partitions()
+            for piece, m in self.pairs:
+                self._write_back(piece, m)
+            if self.group is not None:
+                self._broadcast_shares()
+
+
+def _shares_storage(param: torch.Tensor, master: torch.Tensor) -> bool:
+    return _local(param).untyped_storage()._cdata == _local(master).untyped_storage()._cdata

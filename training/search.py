@@ -49,6 +49,8 @@ class Variant:
     activation_bytes_per_sample: float
     peak_flops: float | None = None
     """The device's peak FLOP/s in this precision (MFU divides by it); None: unknown (CPUs)."""
+    activation_replicated_bytes_per_sample: float = 0.0
+    """The part of the activations tensor parallelism leaves whole (Workload's field of that name)."""
 
 
 @dataclass(frozen=True)
@@ -221,10 +223,12 @@ def search(space: Space, shape: Shape, hw: Hardware, tokens_per_sample: int, mod
                     best: Candidate | None = None
                     for bucket in buckets:
                         w = Workload(shape=shape, micro_batch=micro, grad_accum=accum, microbatches=m,
-                                     mixed=variant.precision != "fp32",
+                                     precision=variant.precision,
                                      checkpointing=variant.activation_checkpointing == "full",
                                      tokens_per_sample=tokens_per_sample,
                                      activation_bytes_per_sample=variant.activation_bytes_per_sample,
+                                     activation_replicated_bytes_per_sample=(
+                                         variant.activation_replicated_bytes_per_sample),
                                      bucket_cap_bytes=bucket * 1024**2, seconds_per_sample=variant.seconds_per_sample,
                                      clip=space.clip, pp_schedule=schedule)
                         if not feasible(shape, d, w):

@@ -80,9 +80,11 @@ def test_the_readme_example_runs_every_stage_on_the_users_model(readme_runs):
     assert train["final_loss"] < 0.5 * train["losses"][0], "the ViT learns the prototypes"
     plan = first["stages"]["plan"]["result"]
     # Measured from the module: 2 blocks (the only ModuleList), its TP plan from the YAML, images
-    # count as one "token" each, and the FLOPs of a real forward and backward.
+    # count as one "token" each, and the FLOPs of a forward and backward counted on the meta device
+    # (its attention is not causal: counted in full).
     assert plan["anatomy"]["shape"]["layers"] == 2 and plan["anatomy"]["tokens_per_sample"] == 1
     assert plan["anatomy"]["shape"]["block_linear_params"] > 0 and plan["anatomy"]["flops_per_sample"] > 0
+    assert plan["flops_convention"] == "full"
     assert split["stages"]["train"]["result"]["strategy"] == "tp" and split["ok"]
     assert split["stages"]["train"]["result"]["ranks_in_sync"]
     assert inline["run"]["model"] == "custom" and inline["stages"]["train"]["status"] == "ran"
@@ -182,9 +184,11 @@ def test_the_full_size_hugging_face_model_gets_a_what_if_plan(tmp_path):
     plan = json.loads((tmp_path / "whatif/summary.json").read_text())["stages"]["plan"]["result"]
     shape = plan["anatomy"]["shape"]
     assert shape["params"] == LLAMA3_8B_PARAMS and shape["layers"] == 32 and shape["seq_len"] == seq
-    # 6 FLOPs per non-embedding parameter per token, plus attention's 12 x layers x width x tokens^2.
-    dense = 6 * (LLAMA3_8B_PARAMS - 128256 * 4096) * seq + 12 * 32 * 4096 * seq**2
+    # 6 FLOPs per non-embedding parameter per token, plus causal attention's score and value
+    # products: half of the full matrix's 12 x layers x width x tokens^2.
+    dense = 6 * (LLAMA3_8B_PARAMS - 128256 * 4096) * seq + 6 * 32 * 4096 * seq**2
     assert plan["anatomy"]["flops_per_sample"] == pytest.approx(dense, rel=0.05)
+    assert plan["flops_convention"] == "causal_half"
     best = plan["recommended"]
     assert best is not None and best["fits"] and plan["world_size"] == 32
     assert best["memory_per_device_bytes"] <= 0.7 * 80 * 2**30  # 80 GiB at plan.memory_fraction

@@ -98,7 +98,7 @@ def test_memory_and_flops_are_counted_from_the_model():
     assert params == grads == 4 * n and optim >= 8 * n
     assert saved.bytes >= 4 * 4 * 20, "at least the hidden activations are saved"
     cfg = ModelConfig(target="torch.nn.Linear")
-    anatomy = measure_anatomy(model, model_spec(model, cfg), model_loss(cfg), (x, y))
+    anatomy = measure_anatomy(model, model_spec(model, cfg), model_loss(cfg), (x, y)).anatomy
     # fwd 2N + bwd 4N per weight, except the first layer, which needs no gradient of its input.
     assert anatomy.flops_per_sample == 4 * 10 * 20 + 6 * 20 * 3
     assert anatomy.tokens_per_sample == 1 and anatomy.shape.params == n

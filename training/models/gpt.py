@@ -58,9 +58,20 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def _init_weights(module: nn.Module) -> None:
+    # GPT-2's initialisation: small normal weights keep the first losses near log(vocab).
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+
+
 class GPT(nn.Module):
     pp_first = ("tok_embeddings", "pos_embeddings")
     pp_last = ("norm", "output")
+    init_module = staticmethod(_init_weights)
+    """How each module is initialised: what lets it be built on the meta device and initialised
+    shard by shard (training/parallel/materialize.py)."""
     _tp_plan = {
         "layers.*.attention.wq": "colwise",
         "layers.*.attention.wk": "colwise",
@@ -97,11 +108,3 @@ def build(vocab_size: int = 256, seq_len: int = 64, d_model: int = 64, n_layers:
     if d_model % n_heads:
         raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
     return GPT(vocab_size, seq_len, d_model, n_layers, n_heads, ffn_mult)
-
-
-def _init_weights(module: nn.Module) -> None:
-    # GPT-2's initialisation: small normal weights keep the first losses near log(vocab).
-    if isinstance(module, nn.Linear | nn.Embedding):
-        nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if getattr(module, "bias", None) is not None:
-            nn.init.zeros_(module.bias)

@@ -14,6 +14,8 @@ def build(in_features: int, num_classes: int, hidden: int = 256, depth: int = 3)
 class MLP(nn.Module):
     pp_first: tuple[str, ...] = ()
     pp_last = ("output",)
+    init_module = None
+    """torch's own reset_parameters initialises it: it can be built on the meta device."""
 
     def __init__(self, in_features: int, hidden: int, depth: int, num_classes: int):
         super().__init__()

@@ -16,6 +16,7 @@ The parallel code (training/parallel/) reads these and names no module of any mo
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -179,6 +180,18 @@ def pipeline_layout(model: nn.Module, blocks: list[Block]) -> PipelineLayout:
     return PipelineLayout(container, tuple(first), tuple(last))
 
 
+@dataclass(frozen=True)
+class Pending:
+    """A model built on the meta device, to be materialized shard by shard once sharded
+    (training/parallel/materialize.py)."""
+
+    names: dict[nn.Module, str]
+    """Each module's name in the model as built: its initialisation's seed."""
+    init: Callable[[nn.Module], None] | None
+    """The model's per-module initialiser (None: torch's reset_parameters)."""
+    seed: int
+
+
 @dataclass
 class ModelSpec:
     """One built model's declarations, as the parallel code reads them."""
@@ -186,6 +199,8 @@ class ModelSpec:
     blocks: list[Block]
     plan: tuple[dict[str, str], str] | None
     """The tensor-parallel plan (patterns from the root) and where it came from; None: no plan."""
+    pending: Pending | None = None
+    """Set when the model's parameters are still on the meta device, waiting for their shards."""
 
     def live_blocks(self) -> list[Block]:
         """The blocks still in the model (a pipeline stage deletes the others)."""

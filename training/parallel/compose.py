@@ -26,6 +26,7 @@ from training.parallel.ac import apply_ac
 from training.parallel.ddp import BucketTimer, apply_ddp, time_buckets
 from training.parallel.dims import ParallelDims, resolve_dims  # noqa: F401 - re-exported
 from training.parallel.fsdp import apply_fsdp
+from training.parallel.materialize import materialize
 from training.parallel.pp import apply_pp, build_schedule, is_first, is_last
 from training.parallel.precision import apply_low_precision
 from training.parallel.tp import apply_tp
@@ -78,17 +79,16 @@ def techniques(strategy: StrategyConfig, dims: ParallelDims, probe: bool = False
     named = probe and dims.world_size == 1
     declared = strategies.get(strategy.name)
     tp = dims.tp_enabled or (named and declared.degrees["tp"] == -1)
-    # DDP cannot replicate DTensor (TP) parameters: replicas of a TP model go through HSDP instead.
-    fsdp = dims.fsdp_enabled or (dims.dp_replicate_enabled and dims.tp_enabled) or (
-        named and declared.wrapper == "fsdp")
+    fsdp = dims.uses_fsdp or (named and declared.wrapper == "fsdp")
     ddp = not fsdp and (dims.dp_replicate_enabled or (named and declared.wrapper == "ddp"))
     return Techniques(pp=dims.pp_enabled, tp=tp, fsdp=fsdp, ddp=ddp)
 
 
 def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev: torch.device, loss: LossFn,
                 layout_only: bool = False, probe: bool = False) -> Parallel:
-    """Apply `strategy` to `model` (already on `dev`) over the default process group, in
-    torchtitan's order: PP split -> TP -> activation checkpointing -> FSDP or DDP.
+    """Apply `strategy` to `model` (on `dev`, or on the meta device pending its shards) over the
+    default process group, in torchtitan's order: PP split -> TP -> activation checkpointing ->
+    FSDP, then the shards materialized on `dev`, then bf16 parameters or DDP.
 
     `spec` is what the model declared (its blocks, plans). `layout_only` stops at the sharded model
     (no DDP wrapper, no pipeline schedule): what a dry run on a fake process group and the meta
@@ -112,7 +112,11 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
         shard_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate_enabled else mesh["dp_shard"]
         apply_fsdp(model, spec.live_blocks(), shard_mesh, strategy.reshard, dtype)
         dp_group = dp_mesh.get_group()
-    elif dtype is torch.bfloat16:
+    if spec.pending is not None and not layout_only:
+        # Sharded on the meta device: now each rank allocates and initialises its shard alone.
+        materialize(model, spec.pending.names, spec.pending.init, dev, spec.pending.seed)
+        spec.pending = None
+    if dtype is torch.bfloat16 and not use.fsdp:
         # FSDP's numerics without FSDP: bf16 parameters, the fp32 ones kept as the optimizer's masters.
         masters = apply_low_precision(model, dtype)
     if use.ddp:

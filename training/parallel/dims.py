@@ -81,6 +81,12 @@ class ParallelDims:
     def dp_replicate_enabled(self) -> bool:
         return self.dp_replicate > 1
 
+    @property
+    def uses_fsdp(self) -> bool:
+        """Whether the trainer wraps this layout in FSDP2: to shard (dp_shard), and to replicate a
+        tensor-parallel model (DDP cannot replicate DTensor parameters: HSDP does)."""
+        return self.fsdp_enabled or (self.dp_replicate_enabled and self.tp_enabled)
+
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
         """The 4-D mesh over the default process group, and its flattened data-parallel mesh
         (dp_replicate x dp_shard: every rank that sees different data)."""

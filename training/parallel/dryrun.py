@@ -1,6 +1,8 @@
 """Plan a layout at production scale without the hardware: a fake process group and the meta
 device build the real mesh and the real sharded model for one rank of each pipeline stage, and
-count what that rank would hold."""
+count what that rank would hold: the parameters as the trainer keeps them (bf16 ones where the
+layout has no FSDP, sharded fp32 ones under it), their gradients, and the optimizer the trainer
+builds, whose state is created with it (masters and moments counted as real meta tensors)."""
 
 from __future__ import annotations
 
@@ -11,13 +13,12 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from training.config import ModelConfig, StrategyConfig
-from training.memory import tensor_bytes
+from training.costmodel import COMPUTE_BYTES, keeps_gathered
+from training.memory import state_bytes
 from training.models import build_model, model_loss
 from training.models.spec import model_spec
-from training.parallel.compose import parallelize, resolve_dims
+from training.parallel.compose import build_optimizer, parallelize, resolve_dims
 from training.units import GIB
-
-ADAM_STATES = 2
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,12 @@ class RankShare:
     rank: int
     coordinates: dict[str, int]
     param_bytes: int
-    """Parameters held during forward and backward (ZeRO-2 keeps them gathered)."""
+    """Parameters held during forward and backward (ZeRO-2 keeps the gathered compute copies too)."""
     grad_bytes: int
+    """A gradient for every parameter this rank stores, in its dtype (FSDP's sharded fp32 ones)."""
     optim_bytes: int
-    """AdamW's two fp32 moments for what this rank updates."""
+    """The optimizer's tensors for what this rank updates: AdamW's two fp32 moments, and the fp32
+    masters of bf16 parameters."""
     layers: int
     """The model's blocks this rank holds."""
 
@@ -48,14 +51,13 @@ def rank_share(model_cfg: ModelConfig, strategy: StrategyConfig, world: int, ran
         spec = model_spec(model, model_cfg)
         parallel = parallelize(model, spec, strategy, torch.device("cpu"), model_loss(model_cfg), layout_only=True)
         dims = parallel.dims
-        local = sum(tensor_bytes(p) for p in parallel.model.parameters())
-        elements = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                       for p in parallel.model.parameters())
-        held = local * dims.dp_shard if dims.fsdp_enabled and not strategy.reshard else local
-        optim = ADAM_STATES * 4 * elements
-        if strategy.shards_optimizer_only:
-            optim //= dims.dp_size
-        return RankShare(rank, dims.coordinates(rank), held, local, optim, len(spec.live_blocks()))
+        optimizer = build_optimizer(parallel, 1e-4, 0.0)
+        stored, _, optim = state_bytes(parallel.model, optimizer)
+        held = stored
+        if dims.uses_fsdp and keeps_gathered(strategy.name, strategy.reshard):
+            gathered = sum(p.to_local().numel() for p in parallel.model.parameters()) * dims.dp_shard
+            held += gathered * COMPUTE_BYTES[strategy.precision]
+        return RankShare(rank, dims.coordinates(rank), held, stored, optim, len(spec.live_blocks()))
     finally:
         dist.destroy_process_group()
 

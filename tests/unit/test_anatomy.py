@@ -1,0 +1,90 @@
+"""The plan counts on the meta device: attention as the fused kernels run it, causal attention's
+FLOPs as half of the score matrix (and it says so), any sequence length without memory, and the
+memory audit in the run's precision (no processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stages.plan import PlanInputs, counted_on_meta, whatif
+from training.anatomy import FlopCount, meta_memory_audit
+from training.config import ModelConfig
+from training.data import first_samples, markov
+
+MIB = 1024**2
+
+
+def plan_inputs(compose_cfg, *overrides: str) -> PlanInputs:
+    cfg = compose_cfg("tracking=none", *overrides)
+    return PlanInputs(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(PlanInputs)})
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_flops_are_the_hand_count_causal_half_and_full(causal):
+    """One attention call, forward and backward, on the meta device. Forward: the score product
+    q k^T and the value product p v, 2 * s * s * d FLOPs each per (sample, head); backward: two for
+    each (the gradients of p and v, then of q and k), the kernel's recomputed scores not counted.
+    12 * b * h * s^2 * d in all; causal attention counts half of the matrix."""
+    b, h, s, d = 2, 4, 128, 16
+    q, k, v = (torch.empty(b, h, s, d, device="meta", requires_grad=True) for _ in range(3))
+    with FlopCount() as flops:
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
+    full = 12 * b * h * s * s * d
+    assert flops.total == (full // 2 if causal else full)
+    assert flops.convention == ("causal_half" if causal else "full")
+
+
+def test_a_4096_token_gpt_is_counted_on_meta_without_its_attention_matrices(compose_cfg):
+    """At seq 4096 and micro-batch 8 the math kernel's score matrices alone are 8 x 4 heads x 4096^2
+    x 4 bytes = 2 GiB a block: the plan's count allocates none of it and takes well under a second;
+    what it counts saved is what a fused kernel saves (no s x s matrix)."""
+    seq, heads, layers, width = 4096, 4, 2, 64
+    counted_on_meta(plan_inputs(compose_cfg))  # torch's one-off imports for the meta device (~1 s, ~80 MiB)
+    cfg = plan_inputs(compose_cfg, f"model.seq_len={seq}", "data.num_samples=16", "train.micro_batch=8")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    start = time.perf_counter()
+    counted = counted_on_meta(cfg)
+    took = time.perf_counter() - start
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    assert took < 1.0, f"counting took {took:.2f} s"
+    assert grew < 64 * MIB, f"the process grew by {grew / MIB:.0f} MiB"
+    anatomy = counted.anatomy
+    assert anatomy.shape.seq_len == seq and counted.flops_convention == "causal_half"
+    assert anatomy.activation_bytes_per_sample < heads * seq * seq * 4, "one block's score matrix"
+    # gpt-tiny's linears (2 blocks of 12 d^2, a d x 256 head), then causal attention, as hand-counted
+    # in test_costmodel.
+    weights = layers * 12 * width**2 + width * 256
+    assert anatomy.flops_per_sample == 6 * weights * seq + 6 * layers * width * seq * seq
+
+
+def test_the_plan_records_its_flops_convention(compose_cfg):
+    gpt = whatif(plan_inputs(compose_cfg, "pipeline=plan", "cluster=h100-80g-ndr", "nodes=1"))
+    mlp = whatif(plan_inputs(compose_cfg, "pipeline=plan", "cluster=h100-80g-ndr", "nodes=1", "model=mlp",
+                             "data=blobs"))
+    assert (gpt.flops_convention, mlp.flops_convention) == ("causal_half", "full")
+
+
+def test_the_memory_audit_counts_the_runs_precision():
+    """gpt-tiny at 2 x 64 tokens (N = 128, d = 64, 4 heads), audited on the meta device. Each block
+    saves 16 N d values in the compute precision: the two norms' inputs and outputs (4), q, k, v (3),
+    attention's output, which is also wo's input (1), the first feed-forward linear's input and the
+    block's residual (2), the GELU's input and output (2 x 4); and in fp32 whatever the precision:
+    the two norms' mean and rstd (4 N) and attention's log-sum-exp (N x heads). Parameters take 4 or
+    2 bytes each; the first row also holds the token indices (int64)."""
+    n, d, heads, params = 2 * 64, 64, 4, 135_808
+    cfg = ModelConfig(kwargs=dict(vocab_size=256, seq_len=64, d_model=d, n_layers=2, n_heads=heads))
+    batch = tuple(t.to("meta") for t in first_samples(markov(4, 64, 256), 2))
+    rows = {p: meta_memory_audit(cfg, 0, batch, p) for p in ("fp32", "bf16")}
+    fp32_stats = 4 * (4 * n + n * heads)
+    for precision, size in (("fp32", 4), ("bf16", 2)):
+        by_module = {r.module: r.live_bytes for r in rows[precision] if r.phase == "forward"}
+        assert by_module["tok_embeddings"] == size * params + 8 * n
+        assert by_module["layers.0"] - by_module["pos_embeddings"] == size * 16 * n * d + fp32_stats
+        assert by_module["layers.1"] - by_module["layers.0"] == size * 16 * n * d + fp32_stats
+    assert max(r.peak_bytes for r in rows["bf16"]) < 0.52 * max(r.peak_bytes for r in rows["fp32"])
