@@ -7,6 +7,7 @@ a stage sees its own frozen config and its upstream results, nothing else.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import time
 import traceback
@@ -37,6 +38,7 @@ from pipelines.tracking import (
 )
 from pipelines.validate import keep_contract_facts
 from training.files import write_atomic
+from training.units import GIB
 
 SUMMARY = SUMMARY_ARTIFACT  # the run dir's file is the one logged at the root of its MLflow run
 
@@ -167,7 +169,10 @@ class Runner:
         resources = stage.spec.resources
         if resources == "world":
             return f"{self.world.size} ranks ({self.cfg.nodes} nodes x {self.cfg.procs_per_node}) on launcher={self.cfg.launcher.name}"
-        return "one device" if resources == "one_device" else "driver"
+        if resources == "driver":
+            return "driver"
+        ranks = self._fitting_ranks(stage)
+        return "one device" if ranks == 1 else f"{ranks} ranks (the smallest layout that holds the model)"
 
     def _placement(self) -> Placement:
         """The pre-flight re-check: where the worker stages run, read there now (launcher=local:
@@ -202,8 +207,8 @@ class Runner:
         baseline_info = None
         world = self._world_of(stage)
         if stage.spec.baseline:
-            single = WorldSpec(1, 1)
-            if world.size == 1:
+            single = self._ranks(self._fitting_ranks(stage))
+            if world.size == single.size:
                 kwargs["baseline"] = None
             else:
                 base = self._run_or_load(stage, inputs, dict(kwargs, baseline=None), upstream, single, force, "baseline")
@@ -236,11 +241,28 @@ class Runner:
     def _world_of(self, stage: Stage) -> WorldSpec:
         if stage.spec.resources == "world":
             return self.world
-        return WorldSpec(1, 1, distributed=False)
+        ranks = self._fitting_ranks(stage)
+        return WorldSpec(1, 1, distributed=False) if ranks == 1 else self._ranks(ranks)
+
+    def _fitting_ranks(self, stage: Stage) -> int:
+        """How many ranks the stage's one-device work needs: 1, or under a memory budget what the
+        stage's `fits` function says holds the model (the smallest sharded world)."""
+        budget = self._memory_budget()
+        if stage.spec.fits is None or budget is None:
+            return 1
+        module, _, name = stage.spec.fits.partition(":")
+        fits = getattr(importlib.import_module(module), name)
+        return fits(stage_inputs(stage, self.cfg), budget * GIB, self.world.size)
+
+    def _ranks(self, ranks: int) -> WorldSpec:
+        """`ranks` of this invocation's workers, filling a node before the next."""
+        per_node = self.world.procs_per_node
+        return WorldSpec(1, ranks) if ranks <= per_node else WorldSpec(ranks // per_node, per_node)
 
     def _run_or_load(self, stage, inputs, kwargs, upstream, world: WorldSpec, force: bool, variant: str | None) -> Outcome:
         name = f"{stage.name}-{variant}" if variant else stage.name
-        extra: dict[str, Any] = {"world": [world.nodes, world.procs_per_node]} if stage.spec.resources == "world" else {}
+        sized = stage.spec.resources == "world" or world.size > 1
+        extra: dict[str, Any] = {"world": [world.nodes, world.procs_per_node]} if sized else {}
         if {"model", "data"} & {f.name for f in dataclasses.fields(stage.inputs)}:
             # A user's model or data set lives outside this project: its code is part of the key.
             extra["user_code"] = targets_code([self.cfg.model.target, self.cfg.data.target,

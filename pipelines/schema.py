@@ -55,6 +55,11 @@ class StageSpec:
     history: bool = False
     """Pass the stage earlier runs' measured train steps from MLflow as `history` (plan, when
     plan.calibrate=true); they join its cache key, so a new measurement re-plans."""
+    fits: str | None = None
+    """`module:function` that sizes a one_device stage, and a world stage's baseline, for a model
+    larger than one device: called on the driver as `fn(inputs, budget_bytes, max_ranks)` under a
+    per-rank memory budget, it returns how many ranks the smallest layout that holds the model
+    needs (1: one device). Without a budget the stage runs on one device."""
     when: str | None = None
     """A config key (e.g. `plan.trials`): when its value is false or 0 the stage is not asked for;
     it is skipped without running and the stages that need it receive None."""

@@ -49,7 +49,37 @@ def resolve(cfg: Config, gpus_per_node: int | None = None, uses_model: bool = Tr
         facts = contract_facts(cfg)
         _check_strategy(cfg, dims, facts)
         _check_batches(cfg, dims, facts)
+        _check_memory(cfg, dims)
     return cfg
+
+
+def _check_memory(cfg: Config, dims: ParallelDims) -> None:
+    """The memory ruler before any rank starts: under a per-rank budget (cluster.device_memory_gib
+    on a measured cluster) a layout whose predicted peak exceeds it is refused, with the layout
+    that would hold the model (training/fit.py counts the model on the meta device)."""
+    budget_gib = cfg.cluster.device_memory_gib
+    s = cfg.strategy
+    if not cfg.cluster.measured or budget_gib is None or s.name == "auto" or cfg.dry_run:
+        return
+    from training.fit import SHARDED, counted, rank_memory, smallest_world
+    from training.strategies import flavour_of
+    from training.units import GIB
+
+    world = cfg.nodes * cfg.procs_per_node
+    c = counted(cfg.model, cfg.data, cfg.seed, s.precision, s.activation_checkpointing)
+    micro = cfg.train.micro_batch_for(dims.dp_size)
+    memory = rank_memory(c, s, flavour_of(s, dims), world, micro)
+    if memory.total <= budget_gib * GIB:
+        return
+    fit = smallest_world(c, dataclasses.replace(s, name=SHARDED), micro * world, budget_gib * GIB, world)
+    fix = (f"shard the model: strategy={SHARDED} holds it at world {world} ({fit.describe(budget_gib * GIB)})"
+           if fit is not None and fit.ranks <= world else
+           f"not even strategy={SHARDED} over {world} ranks holds it: add nodes, lower train.micro_batch or "
+           "use strategy.activation_checkpointing=full")
+    raise ConfigError("strategy", s.name, f"each of the {world} ranks needs {memory.total / GIB:.2f} GiB "
+                      f"(states {memory.states / GIB:.2f}, activations {memory.activation_bytes / GIB:.2f}, "
+                      f"FSDP working set {max(memory.working_bytes, memory.tail_bytes) / GIB:.2f}) > "
+                      f"cluster.device_memory_gib={budget_gib:g}, the memory ruler; {fix}")
 
 
 def _check_calibrate(cfg: Config) -> None:

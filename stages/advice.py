@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from training import strategies
 from training.config import ClusterConfig, DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
 from training.costmodel import Anatomy, Calibration, Hardware, Workload, predict_layout, state_memory
-from training.parallel.dims import ParallelDims, resolve_dims
+from training.parallel.dims import resolve_dims
 from training.search import (
     Candidate,
     Searched,
@@ -21,6 +21,7 @@ from training.search import (
     search,
     strategy_name,
 )
+from training.strategies import flavour_of
 from training.units import GIB
 
 if TYPE_CHECKING:
@@ -44,18 +45,6 @@ class AdviceInputs:
     nodes: int
     procs_per_node: int
     seed: int
-
-
-def flavour_of(strategy: StrategyConfig, d: ParallelDims) -> str:
-    """The data-parallel flavour a configured strategy trains with (what the cost model charges):
-    its own when it is one; else by its degrees, FSDP's (resharding or not) when it shards, the
-    simplest when it does not."""
-    if strategies.get(strategy.name).is_flavour:
-        return strategy.name
-    if d.dp_shard > 1:
-        return next(f.name for f in strategies.flavours()
-                    if f.wrapper == "fsdp" and f.reshard_after_forward == strategy.reshard)
-    return strategies.flavours()[0].name
 
 
 def searched_variants(cfg: AdviceInputs, blocks: int) -> list[tuple[str, str]]:

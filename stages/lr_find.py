@@ -14,6 +14,8 @@ from typing import Any
 
 from stages.common import log, progress, workbench
 from training.config import DataConfig, LrFindConfig, ModelConfig, StrategyConfig
+from training.dist import all_reduce_sum, world_size
+from training.fit import SHARDED
 from training.lr_finder import scale_lr
 from training.parallel.dims import resolve_dims
 
@@ -57,6 +59,8 @@ class LrFindResult:
     finder_batch: int
     stopped_early: bool
     curve: list[CurvePoint]
+    world_size: int = 1
+    """Ranks it ran on: 1 (one device), or zero3 over the smallest world that holds the model."""
 
     def scaled(self, target_batch: int) -> float:
         """The LR for a run whose optimizer step averages over `target_batch` samples."""
@@ -69,8 +73,9 @@ class LrFindResult:
         return out
 
     def headline(self) -> str:
+        where = "" if self.world_size == 1 else f", on zero3 over {self.world_size} ranks (the model exceeds one device)"
         return (f"suggested {self.suggested_lr:.2e} ({self.rule}) at batch {self.finder_batch}, "
-                f"{len(self.curve)} iterations; scaled by the {self.lr_scaling} rule")
+                f"{len(self.curve)} iterations{where}; scaled by the {self.lr_scaling} rule")
 
 
 def run(cfg: LrFindInputs) -> LrFindResult:
@@ -82,23 +87,29 @@ def run(cfg: LrFindInputs) -> LrFindResult:
     from training.step import optimizer_step
 
     finder = cfg.lr_find
+    ranks = world_size()  # more than one: the model doesn't fit one device (the engine asked `smallest_world`)
     bench = workbench(cfg.model, cfg.data, cfg.seed)
-    parallel = parallelize(bench.model, bench.spec, StrategyConfig(precision=cfg.precision), bench.dev, bench.loss)
+    layout = StrategyConfig(name=SHARDED if ranks > 1 else "ddp", precision=cfg.precision)
+    parallel = parallelize(bench.model, bench.spec, layout, bench.dev, bench.loss)
     optimizer = build_optimizer(parallel, finder.min_lr, cfg.weight_decay)
-    rows = GlobalBatches(len(bench.dataset), cfg.batch, 1, 0, 1, cfg.seed)
+    # The finder's batch, split over the ranks that hold the model: the same steps as on one device.
+    rows = GlobalBatches(len(bench.dataset), cfg.batch // ranks, 1, parallel.dp_rank, ranks, cfg.seed)
     batches = iter(loader(bench.dataset, rows, 0, finder.num_iters, cfg.data.num_workers, bench.dev))
 
     def step() -> torch.Tensor:
-        return optimizer_step(parallel, optimizer, [next(batches)], 1, cfg.grad_clip, bench.dev)
+        loss = optimizer_step(parallel, optimizer, [next(batches)], 1, cfg.grad_clip, bench.dev)
+        return all_reduce_sum(loss) / ranks  # every rank decides on the same smoothed loss
 
     test = range_test(
         bench.model, optimizer, step,
         finder.min_lr, finder.max_lr, finder.num_iters, finder.beta, finder.diverge_threshold,
         on_step=lambda i, lr, loss: progress("lr_find", f"iteration {i + 1}/{finder.num_iters}: lr {lr:.2e}, "
                                                         f"smoothed loss {loss:.4f}"),
+        restore=False,  # the model is discarded after: a copy of its states is memory the finder can't spare
     )
     suggested = suggest(test.lrs, test.smoothed, finder.suggestion)
-    log("lr_find", f"{len(test.lrs)} iterations, suggested {suggested:.3e} at batch {cfg.batch}")
+    where = "one device" if ranks == 1 else f"{SHARDED} over {ranks} ranks, the smallest layout that holds the model"
+    log("lr_find", f"{len(test.lrs)} iterations, suggested {suggested:.3e} at batch {cfg.batch} ({where})")
     return LrFindResult(
         suggested_lr=suggested,
         rule=finder.suggestion,
@@ -106,4 +117,17 @@ def run(cfg: LrFindInputs) -> LrFindResult:
         finder_batch=cfg.batch,
         stopped_early=test.stopped_early,
         curve=[CurvePoint(lr, loss, s) for lr, loss, s in zip(test.lrs, test.losses, test.smoothed, strict=True)],
+        world_size=ranks,
     )
+
+
+def smallest_world(cfg: LrFindInputs, budget_bytes: float, max_ranks: int) -> int:
+    """The engine's question (the stage's `fits`): how many ranks hold the finder's steps within
+    `budget_bytes` each: 1, or zero3 over the fewest that do (all `max_ranks` if none fits:
+    the config check has refused that already)."""
+    from training.fit import counted
+    from training.fit import smallest_world as fewest
+
+    c = counted(cfg.model, cfg.data, cfg.seed, cfg.precision, "none")
+    fit = fewest(c, StrategyConfig(precision=cfg.precision), cfg.batch, budget_bytes, max_ranks)
+    return fit.ranks if fit is not None else max_ranks

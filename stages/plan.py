@@ -97,6 +97,10 @@ class Rulers:
     memory_audit: list[AuditRow]
     """Memory in use after each top-level module of one forward and backward of the micro-batch (the
     seed's audit), counted on the meta device in the run's precision, attention as fused kernels run it."""
+    sliced_blocks: int | None = None
+    """None: the whole model was timed on one device. Else the model exceeds one device's budget:
+    a slice of this many blocks (with embeddings and head) was timed, and `step_compute_s` is its
+    per-block cost carried to the full depth (and `param_bytes` ... `peak_memory_bytes` the slice's)."""
 
 
 @dataclass(frozen=True)
@@ -238,9 +242,12 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult, anatomy: Anatomy) -> Ru
     from training.parallel.compose import build_optimizer, parallelize
     from training.step import optimizer_step
 
-    bench = workbench(cfg.model, cfg.data, cfg.seed)
-    model, dev = bench.model, bench.dev
     micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
+    blocks = sliced_to(cfg, micro)
+    bench = workbench(cfg.model, cfg.data, cfg.seed)
+    if blocks is not None:
+        bench.spec.keep_first_blocks(blocks)
+    model, dev = bench.model, bench.dev
     batch = to_device(first_samples(bench.dataset, micro), dev)
     audit = meta_memory_audit(cfg.model, cfg.seed, to_device(batch, torch.device("meta")), cfg.strategy.precision)
     parallel = parallelize(model, bench.spec, step_strategy(cfg), dev, bench.loss)
@@ -261,8 +268,13 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult, anatomy: Anatomy) -> Ru
     compute = _timed_steps(step)
     overheads = measure_overheads(model, cfg.model, bench.loss, batch, list(cfg.plan.strategies or pure()), dev, clip,
                                   step_strategy(cfg))
-    device_bytes = cfg.plan.device_memory_bytes or device_memory_bytes(dev, cfg.procs_per_node)
-    anatomy = dataclasses.replace(anatomy, activation_bytes_per_sample=memory.activation_bytes / micro)
+    device_bytes = (budget_bytes(cfg) or cfg.plan.device_memory_bytes
+                    or device_memory_bytes(dev, cfg.procs_per_node))
+    if blocks is None:
+        anatomy = dataclasses.replace(anatomy, activation_bytes_per_sample=memory.activation_bytes / micro)
+    else:  # the slice's step, carried to the whole depth; the activations stay the meta count's
+        del bench, model, parallel, optimizer, step
+        compute = extrapolated(cfg, blocks, compute, micro, anatomy)
     return Rulers(
         anatomy=anatomy,
         params=anatomy.shape.params,
@@ -281,7 +293,77 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult, anatomy: Anatomy) -> Ru
         busbw_gbps=bandwidth.largest_all_reduce_busbw_gbps,
         ruler_gbps=bandwidth.ruler_gbps,
         memory_audit=audit,
+        sliced_blocks=blocks,
     )
+
+
+def budget_bytes(cfg: PlanInputs) -> float | None:
+    """Each rank's device-memory budget: cluster.device_memory_gib on a measured cluster."""
+    c = cfg.cluster
+    return c.device_memory_gib * GIB if c.measured and c.device_memory_gib is not None else None
+
+
+def memory_limit(cfg: PlanInputs, hw: Hardware) -> float:
+    """What a layout's predicted peak must stay under: a budget counted in tensor bytes as it is
+    (no allocator there to leave room for), else plan.memory_fraction of the device."""
+    budget = budget_bytes(cfg)
+    return budget if budget is not None else cfg.plan.memory_fraction * hw.device_memory_bytes
+
+
+def sliced_to(cfg: PlanInputs, micro: int) -> int | None:
+    """The blocks of the model the plan's one device can hold under a budget (None: all of it)."""
+    from training.fit import blocks_that_fit
+
+    budget = budget_bytes(cfg)
+    if budget is None:
+        return None
+    blocks = blocks_that_fit(cfg.model, cfg.data, cfg.seed, cfg.strategy, micro, budget)
+    if blocks == 0:
+        raise ValueError(f"not even one block of the model and its embeddings and head fits one device's "
+                         f"cluster.device_memory_gib={cfg.cluster.device_memory_gib:g} at micro-batch {micro}: "
+                         "the plan can't time a step; raise the budget or lower train.micro_batch")
+    return blocks
+
+
+def extrapolated(cfg: PlanInputs, blocks: int, sliced_s: float, micro: int, anatomy: Anatomy) -> float:
+    """The whole model's step from a slice of `blocks` blocks timed at `sliced_s`: the per-block
+    cost from a second slice of one block, (t_k - t_1) / (k - 1), carried to the full depth; with
+    a slice of one block, by the FLOPs the whole executes over the slice's (counted on meta)."""
+    layers = anatomy.shape.layers
+    if blocks > 1:
+        one = _sliced_step_s(cfg, 1, micro)
+        per_block = max(sliced_s - one, 0.0) / (blocks - 1)
+        return sliced_s + (layers - blocks) * per_block
+    from training.anatomy import FlopCount, build_on_meta
+    from training.models import batch_loss, model_loss
+
+    net, spec = build_on_meta(cfg.model, cfg.seed)
+    spec.keep_first_blocks(1)
+    with FlopCount() as flops:
+        batch_loss(net, meta_sample(cfg), model_loss(cfg.model)).backward()
+    return sliced_s * anatomy.flops_per_sample / flops.total
+
+
+def _sliced_step_s(cfg: PlanInputs, blocks: int, micro: int) -> float:
+    """The median step of the model's first `blocks` blocks on this device."""
+    from training.data import first_samples
+    from training.dist import synchronize
+    from training.models import to_device
+    from training.parallel.compose import build_optimizer, parallelize
+    from training.step import optimizer_step
+
+    bench = workbench(cfg.model, cfg.data, cfg.seed)
+    bench.spec.keep_first_blocks(blocks)
+    batch = to_device(first_samples(bench.dataset, micro), bench.dev)
+    parallel = parallelize(bench.model, bench.spec, step_strategy(cfg), bench.dev, bench.loss)
+    optimizer = build_optimizer(parallel, 1e-4, 0.0)
+
+    def step() -> None:
+        optimizer_step(parallel, optimizer, [batch], 1, cfg.train.grad_clip, bench.dev)
+        synchronize(bench.dev)
+
+    step()
+    return _timed_steps(step)
 
 
 def meta_sample(cfg: PlanInputs, samples: int = 1):  # noqa: ANN201 - a Batch on the meta device
@@ -390,7 +472,7 @@ def hardware(cfg: PlanInputs, executed_flops_per_sample: float, rulers: Rulers |
 
 def predictions(cfg: PlanInputs, w: Workload, hw: Hardware, world: int,
                 calibration: Calibration | None = None) -> list[Prediction]:
-    limit = cfg.plan.memory_fraction * hw.device_memory_bytes
+    limit = memory_limit(cfg, hw)
     overlap = cfg.plan.overlap if cfg.plan.overlap is not None else (0.0 if hw.cores else 1.0)
     base = predict(w, hw, "ddp", 1, float("inf"), overlap, 1.0, calibration)
     single = base.samples_per_s
@@ -413,7 +495,7 @@ def advise_plan(cfg: PlanInputs, anatomy: Anatomy, costs: list, hw: Hardware, w:
                 calibration: Calibration | None) -> tuple[dict, list[str]]:
     """The search and the reasons; fields of the PlanResult."""
     world = cfg.nodes * cfg.procs_per_node
-    limit = cfg.plan.memory_fraction * hw.device_memory_bytes
+    limit = memory_limit(cfg, hw)
     overlap = cfg.plan.overlap if cfg.plan.overlap is not None else (0.0 if hw.cores else 1.0)
     inputs = advice_inputs(cfg)
     searched, requested, variants = advise(inputs, anatomy, costs, hw, limit, overlap, calibration)
@@ -436,6 +518,11 @@ def advise_plan(cfg: PlanInputs, anatomy: Anatomy, costs: list, hw: Hardware, w:
 def ruler_reasons(r: Rulers, cfg: PlanInputs, world: int) -> list[str]:
     """The bandwidth and compute-density rulers as sentences."""
     reasons = []
+    if r.sliced_blocks is not None:
+        reasons.append(f"compute: the model exceeds one device's budget (cluster.device_memory_gib="
+                       f"{cfg.cluster.device_memory_gib:g}): timed a slice of its first {r.sliced_blocks} of "
+                       f"{r.anatomy.shape.layers} blocks with embeddings and head, the per-block cost carried to the "
+                       "full depth")
     if r.busbw_gbps is None:
         reasons.append("bandwidth: not measured (world size 1): no interconnect to judge, no prediction beyond 1 device")
     elif r.busbw_gbps < r.ruler_gbps:
@@ -477,7 +564,8 @@ def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult,
     rulers = measure(cfg, bandwidth, counted.anatomy)
     micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
     anatomy = counted.anatomy
-    measured = rulers.activation_bytes / micro if cfg.cluster.measured else None
+    # A slice's activations are not the model's: the meta count stands for a sliced plan.
+    measured = rulers.activation_bytes / micro if cfg.cluster.measured and rulers.sliced_blocks is None else None
     costs = variant_costs(cfg, anatomy, measured)
     own = next(c for c in costs if (c.precision, c.activation_checkpointing) ==
                (cfg.strategy.precision, cfg.strategy.activation_checkpointing))

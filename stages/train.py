@@ -7,13 +7,14 @@ Scaling efficiency = samples/s(N) / (N x samples/s(1)), both measured in the sam
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from stages.advice import candidate_settings, one_device
 from stages.common import log, progress, workbench
@@ -23,6 +24,7 @@ from stages.trials import TrialsResult
 from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig
 from training.costmodel import MeasuredStep, StepPrediction
 from training.dist import gather_objects, rank, world_size
+from training.fit import SHARDED
 from training.lr_finder import scale_lr
 from training.memory import StepProbe
 from training.profile import StepProfiler, TimeSplit
@@ -42,6 +44,35 @@ class TrainInputs:
     data: DataConfig
     strategy: StrategyConfig
     seed: int
+    world_size: int | None = None
+    """The invocation's world (nodes x procs_per_node): a run on fewer ranks is its baseline on the
+    smallest layout that holds the model (None: whatever world it runs on is the run's)."""
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> TrainInputs:
+        return cls(cfg.train, cfg.model, cfg.data, cfg.strategy, cfg.seed, cfg.nodes * cfg.procs_per_node)
+
+
+def smallest_world(cfg: TrainInputs, budget_bytes: float, max_ranks: int) -> int:
+    """The engine's question for the baseline (the stage's `fits`): how many ranks hold a step of
+    the run's per-device micro-batch within `budget_bytes` each: 1 (the one-device form), or
+    zero3 over the fewest that do (weak scaling: each rank keeps the per-device batch)."""
+    from training.fit import SHARDED, counted, rank_memory
+
+    s, t = cfg.strategy, cfg.train
+    c = counted(cfg.model, cfg.data, cfg.seed, s.precision, s.activation_checkpointing)
+    world = cfg.world_size or max_ranks
+    micro = t.micro_batch if t.global_batch is None else max(t.global_batch // (world * t.grad_accum), 1)
+    knobs = dict(precision=s.precision, activation_checkpointing=s.activation_checkpointing)
+    if rank_memory(c, StrategyConfig(name="ddp", **knobs), "ddp", 1, micro).total <= budget_bytes:
+        return 1
+    ranks = 2
+    while ranks < max_ranks:
+        if max_ranks % ranks == 0 and rank_memory(c, StrategyConfig(name=SHARDED, **knobs), SHARDED, ranks,
+                                                  micro).total <= budget_bytes:
+            return ranks
+        ranks *= 2
+    return max_ranks
 
 
 @dataclass(frozen=True)
@@ -115,6 +146,7 @@ class TrainResult:
     """The median timed step (samples_per_s is over the whole timed window)."""
     baseline_samples_per_s: float
     scaling_efficiency: float
+    """samples/s per device over the baseline's samples/s per device (weak scaling)."""
     peak_memory_bytes: int
     param_bytes: int
     grad_bytes: int
@@ -135,6 +167,9 @@ class TrainResult:
     """torch.profiler's split of a step into communication, matmul, memcpy and other (rank 0)."""
     system: list[SystemSample]
     """Each node's system metrics during the run (sampled by its local rank 0)."""
+    baseline_world_size: int = 1
+    """Ranks of the baseline it is measured against: 1, or the smallest world that holds the
+    model (zero3), for a model larger than one device."""
 
     def metrics(self) -> list[tuple[str, float, int]]:
         out = [("train/loss", loss, step) for step, loss in enumerate(self.losses, 1)]
@@ -217,12 +252,17 @@ def parameter_digest(model: torch.nn.Module) -> str:
 
 
 def resolve_strategy(strategy: StrategyConfig, train: TrainConfig, plan: PlanResult, trials: TrialsResult | None,
-                     world: int) -> tuple[StrategyConfig, TrainConfig, Candidate | None]:
+                     world: int, sharded_baseline: bool = False) -> tuple[StrategyConfig, TrainConfig, Candidate | None]:
     """`auto` becomes the plan's whole recommendation (the measured best when trials ran): its
     degrees, data-parallel flavour, micro-batch and accumulation, precision, checkpointing, pipeline
     schedule and buckets, returned with the candidate. Anything but auto is kept as configured; on
-    one device (the 1-device baseline), in its one-device form."""
+    one device (the 1-device baseline), in its one-device form; as a `sharded_baseline` (the model
+    exceeds one device), that form sharded by zero3 over the ranks it runs on."""
     chosen = trials.chosen if trials is not None and trials.chosen is not None else plan.recommended
+    if sharded_baseline:
+        if strategy.name == "auto" and chosen is not None:
+            strategy, train = candidate_settings(chosen, strategy, train, 1)
+        return dataclasses.replace(one_device(strategy), name=SHARDED, dp_shard=-1), train, None
     if strategy.name != "auto" or chosen is None:
         return (strategy if world > 1 else one_device(strategy)), train, None
     return (*candidate_settings(chosen, strategy, train, world), chosen)
@@ -251,7 +291,8 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     from training.parallel.compose import build_optimizer, parallelize
 
     t = cfg.train
-    strategy, t, chosen = resolve_strategy(cfg.strategy, cfg.train, plan, trials, world_size())
+    sharded_baseline = baseline is None and cfg.world_size is not None and 1 < world_size() < cfg.world_size
+    strategy, t, chosen = resolve_strategy(cfg.strategy, cfg.train, plan, trials, world_size(), sharded_baseline)
     bench = workbench(cfg.model, cfg.data, cfg.seed)
     tokens = tokens_per_sample(first_samples(bench.dataset, 1))
     parallel = parallelize(bench.model, bench.spec, strategy, bench.dev, bench.loss)
@@ -290,13 +331,14 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     world = dims.world_size
     samples_per_s = stats.timed_steps * batches.global_batch / stats.timed_seconds
     base = baseline.samples_per_s if baseline is not None else samples_per_s
+    base_world = baseline.world_size if baseline is not None else world_size()
     peak = peak_flops(bench.dev, t.peak_flops)
     per_device = samples_per_s / world
     memory = stats.memory
     # The median step: one stray slow step (another process, a page fault) doesn't move it;
     # throughput above stays the whole window's.
     step_time = statistics.median(stats.step_seconds) if stats.step_seconds else stats.timed_seconds / stats.timed_steps
-    efficiency = samples_per_s / (world * base)
+    efficiency = (samples_per_s / world) / (base / base_world)
     stage = dims.coordinates(rank())["pp"] if world > 1 else 0
     digests = gather_objects((stage, parameter_digest(parallel.model)))
     system = [x for node in gather_objects(sampler.samples if sampling else []) for x in node]
@@ -323,6 +365,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
         tokens_per_s_per_device=per_device * tokens,
         step_time_s=step_time,
         baseline_samples_per_s=base,
+        baseline_world_size=base_world,
         scaling_efficiency=efficiency,
         peak_memory_bytes=memory.peak_bytes,
         param_bytes=memory.param_bytes,

@@ -31,6 +31,9 @@ COSTMODEL_VERSION = 3
 overhead; 3: FSDP gathers per micro-batch, the last bucket's reduction never hidden, recomputation
 in compute): plan.calibrate only fits runs predicted by the same version."""
 
+STEP_CHUNK_BYTES = 16 * 1024**2
+"""The optimizer steps this many bytes of fp32 parameters at a time (training/optim.py): its
+temporaries (a gradient cast to fp32, the moments' square root) are at most twice that."""
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes of a parameter or activation as the step computes with it."""
 MASTER_BYTES = 4
@@ -96,8 +99,12 @@ class Memory:
     """The optimizer's own tensors: Adam's moments, and the fp32 masters of bf16 parameters."""
     activation_bytes: float
     working_bytes: float = 0.0
-    """FSDP's transient working set: gathered units, the prefetched one, a unit's unsharded
-    gradients and their fp32 reduce-scatter buffer (fsdp_working_set)."""
+    """FSDP's transient working set while blocks run backward: gathered units, the prefetched one,
+    a unit's unsharded gradients and their fp32 reduce-scatter buffer (fsdp_working_set)."""
+    tail_bytes: float = 0.0
+    """After backward, once the activations are freed: FSDP's last reduction (the root unit's
+    unsharded gradients and their fp32 reduce-scatter buffer, fsdp_root_reduce), or the optimizer
+    step's temporaries (optimizer_step_bytes), whichever is larger."""
 
     @property
     def states(self) -> float:
@@ -105,7 +112,8 @@ class Memory:
 
     @property
     def total(self) -> float:
-        return self.states + self.activation_bytes + self.working_bytes
+        """The peak: during backward, or at the root's reduction after it, whichever is higher."""
+        return self.states + max(self.activation_bytes + self.working_bytes, self.tail_bytes)
 
 
 def params_per_rank(shape: Shape, d: ParallelDims) -> float:
@@ -172,6 +180,23 @@ def fsdp_working_set(shape: Shape, strategy: str, d: ParallelDims, precision: st
         shape.first_stage_params + shape.last_stage_params)
     gathered = 0.0 if keeps_gathered(strategy, reshard) else c * (ends + 2 * block)
     return gathered + (c + MASTER_BYTES) * block
+
+
+def fsdp_root_reduce(shape: Shape, d: ParallelDims, precision: str) -> float:
+    """The root unit's reduction at the end of backward (FSDP2 reshards its parameters first): its
+    unsharded gradients in the compute dtype and the fp32 buffer they are reduce-scattered from.
+    For a model whose embeddings and head outweigh a block this, not a block's, is the peak."""
+    if not d.uses_fsdp:
+        return 0.0
+    ends = max(shape.first_stage_params, shape.last_stage_params) if d.pp > 1 else (
+        shape.first_stage_params + shape.last_stage_params)
+    return (COMPUTE_BYTES[precision] + MASTER_BYTES) * ends
+
+
+def optimizer_step_bytes(updated: float) -> float:
+    """The optimizer step's temporaries for a rank that updates `updated` parameters: two fp32
+    chunks (STEP_CHUNK_BYTES), or two copies of what it updates when that is smaller."""
+    return 2 * min(STEP_CHUNK_BYTES, MASTER_BYTES * updated)
 
 
 def activation_tensor_bytes(batch: int, seq: int, hidden: int, dtype_bytes: int) -> int:
@@ -626,8 +651,12 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
 def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:
     """One rank's memory at the peak of a step, term by term, as the trainer allocates it."""
     states = state_memory(w.shape, strategy, d, w.precision)
+    masters = w.precision == "bf16" and not d.uses_fsdp  # the optimizer holds fp32 masters beside the moments
+    per_updated = MOMENT_BYTES + (MASTER_BYTES if masters else 0)
     return dataclasses.replace(states, activation_bytes=activation_memory(w, d),
-                               working_bytes=fsdp_working_set(w.shape, strategy, d, w.precision))
+                               working_bytes=fsdp_working_set(w.shape, strategy, d, w.precision),
+                               tail_bytes=max(fsdp_root_reduce(w.shape, d, w.precision),
+                                              optimizer_step_bytes(states.optim_bytes / per_updated)))
 
 
 def memory_per_device(w: Workload, strategy: str, d: ParallelDims) -> float:

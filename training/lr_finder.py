@@ -8,6 +8,7 @@ pipelines, configs or MLflow: the caller passes a model, an optimizer and a stre
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Callable, Iterator
@@ -141,20 +142,22 @@ def range_test(
     beta: float,
     diverge_threshold: float,
     on_step: Callable[[int, float, float], None] | None = None,
+    restore: bool = True,
 ) -> RangeTest:
     """Ramp the LR from `min_lr` to `max_lr` over `num_iters` steps and record the loss curve.
 
     Each step sets every param group's LR, then runs `step` (the training step, on the next batch).
     The test stops early when the smoothed loss exceeds `diverge_threshold` times the best seen
     (that point is kept, it shows the blow-up) or the loss is not finite (that point is dropped,
-    it would poison the curve). The model and optimizer are restored afterwards. `on_step(i, lr,
-    smoothed loss)` follows each step (progress).
+    it would poison the curve). The model and optimizer are restored afterwards unless not
+    `restore` (restoring keeps a copy of their whole state meanwhile). `on_step(i, lr, smoothed
+    loss)` follows each step (progress).
     """
     lrs: list[float] = []
     losses: list[float] = []
     smoothed: list[float] = []
     best, avg = math.inf, 0.0
-    with _restored(model, optimizer):
+    with _restored(model, optimizer) if restore else contextlib.nullcontext():
         for i in range(num_iters):
             lr = lr_at(i, num_iters, min_lr, max_lr)
             for group in optimizer.param_groups:

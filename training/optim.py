@@ -14,7 +14,9 @@ Megatron-Core's distributed optimizer does:
   broadcasts the partition it updated to the others.
 
 In fp32 the masters are the parameters themselves (nothing is copied); the optimizer is then
-plain AdamW, sharded under zero1. Adam's state is created when the optimizer is, not at its first
+plain AdamW, sharded under zero1, still stepping a chunk at a time: torch's foreach AdamW makes a
+temporary the size of everything it steps at once (the moments' square root), which for a model
+sized to its device is the difference between fitting and not. Adam's state is created when the optimizer is, not at its first
 step, so that what a rank holds is there to count (the dry run counts it on the meta device).
 """
 
@@ -27,8 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-CHUNK_BYTES = 64 * 1024**2
-"""fp32 gradient bytes cast at once during a step: the step's only transient beyond the states."""
+from training.costmodel import STEP_CHUNK_BYTES as CHUNK_BYTES
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -142,13 +143,23 @@ class MasterAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         assert closure is None, "MasterAdamW takes no closure"
-        for chunk in self._chunks():
-            for piece, m in chunk:
-                m.grad = self._grad(piece).to(m.dtype)
-            super().step()
-            for piece, m in chunk:
-                m.grad = None
-                self._write_back(piece, m)
+        group = self.param_groups[0]
+        everything = group["params"]
+        try:
+            for chunk in self._chunks():
+                for piece, m in chunk:
+                    if m is not piece.param:
+                        m.grad = self._grad(piece).to(m.dtype)
+                # AdamW steps every parameter of its groups that has a gradient: a master that is
+                # the parameter itself has one all along, so the group holds this chunk alone.
+                group["params"] = [m for _, m in chunk]
+                super().step()
+                for piece, m in chunk:
+                    if m is not piece.param:
+                        m.grad = None
+                        self._write_back(piece, m)
+        finally:
+            group["params"] = everything
         if self.group is not None:
             self._broadcast_shares()
 

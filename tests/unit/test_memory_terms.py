@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from training.activations import measure_tp_split
 from training.anatomy import fused_attention_on_meta
 from training.config import ModelConfig
-from training.costmodel import Shape, Workload, activation_memory, fsdp_working_set, memory_breakdown
+from training.costmodel import (
+    Shape,
+    Workload,
+    activation_memory,
+    fsdp_root_reduce,
+    fsdp_working_set,
+    memory_breakdown,
+)
 from training.models import batch_loss, build_model, model_loss
 from training.models.spec import model_spec
 from training.parallel.dims import ParallelDims
@@ -98,16 +107,51 @@ def test_gpipe_keeps_every_microbatch_and_1f1b_at_most_the_stages():
     assert activation_memory(workload("1f1b", 1), d) == 1000.0 * 8 * 0.5
 
 
-def test_the_breakdown_adds_states_activations_and_the_working_set():
+def test_the_breakdown_peaks_in_backward_or_at_the_roots_reduction():
+    """States, then the higher of: backward (activations + the working set) and the root unit's
+    reduction after it (its 200 parameters' bf16 gradients and fp32 buffer: 200 x 6)."""
     w = workload("1f1b", 1)
     d = ParallelDims(dp_shard=8)
     m = memory_breakdown(w, "zero3", d)
     assert m.states == 1000 * 16 / 8 and m.activation_bytes == 8000.0
     assert m.working_bytes == fsdp_working_set(SHAPE, "zero3", d, "bf16")
+    assert m.tail_bytes == fsdp_root_reduce(SHAPE, d, "bf16") == 200 * (2 + 4)
     assert m.total == m.states + m.activation_bytes + m.working_bytes
+    # Embeddings and head of 600 over blocks of 100: the root's reduction (600 x 6 = 3600) outweighs
+    # backward's working set (2 x (600 + 2 x 100) + 6 x 100 = 2200) once activations are small.
+    heavy_ends = dataclasses.replace(SHAPE, first_stage_params=300, last_stage_params=300)
+    small = memory_breakdown(dataclasses.replace(w, shape=heavy_ends, activation_bytes_per_sample=0.01), "zero3", d)
+    assert (small.working_bytes, small.tail_bytes) == (2200, 3600)
+    assert small.total == small.states + small.tail_bytes
 
 
 def test_tp_divides_only_the_split_part_of_the_activations():
     w = Workload(SHAPE, micro_batch=1, grad_accum=1, microbatches=1, precision="bf16", checkpointing=False,
                  tokens_per_sample=S, activation_bytes_per_sample=1000.0, activation_replicated_bytes_per_sample=250.0)
     assert activation_memory(w, ParallelDims(tp=4)) == 250.0 + 750.0 / 4
+
+
+def test_the_optimizer_steps_each_parameter_once_however_many_chunks():
+    """AdamW steps every parameter that has a gradient: stepping a chunk at a time must not step
+    the others again (a fp32 master is the parameter, which has its gradient all along)."""
+    from torch import nn
+
+    import training.optim as optim
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+    reference = [p.detach().clone() for p in model.parameters()]
+    chunked = optim.MasterAdamW(list(model.parameters()), {}, lr=0.1, weight_decay=0.0)
+    plain = torch.optim.AdamW([nn.Parameter(p.clone()) for p in reference], lr=0.1, weight_decay=0.0)
+    for p, q in zip(model.parameters(), plain.param_groups[0]["params"], strict=True):
+        p.grad = torch.ones_like(p)
+        q.grad = torch.ones_like(q)
+    saved, optim.CHUNK_BYTES = optim.CHUNK_BYTES, 64 * 64 * 4  # a chunk per weight matrix
+    try:
+        chunked.step()
+    finally:
+        optim.CHUNK_BYTES = saved
+    plain.step()
+    for p, q in zip(model.parameters(), plain.param_groups[0]["params"], strict=True):
+        assert torch.equal(p, q)
+    assert all(state["step"] == 1 for state in chunked.state.values())

@@ -216,6 +216,16 @@ class ModelSpec:
     def layout(self, model: nn.Module) -> PipelineLayout:
         return pipeline_layout(model, self.blocks)
 
+    def keep_first_blocks(self, count: int) -> None:
+        """Delete every block after the first `count`, in place: a slice of the model (its
+        embeddings, first blocks and head) that the plan can hold when the whole can't."""
+        for block in reversed(self.blocks[count:]):
+            if isinstance(block.parent, nn.ModuleDict):
+                del block.parent[block.name]
+            else:
+                del block.parent[int(block.name)]
+        self.blocks = self.blocks[:count]
+
 
 def model_spec(model: nn.Module, cfg: ModelConfig) -> ModelSpec:
     """Read `model`'s declarations (and the `model` config's overrides of them)."""

@@ -217,19 +217,16 @@ def _scaler(strategy: StrategyConfig, fsdp: bool) -> torch.amp.GradScaler | None
 
 
 def build_optimizer(parallel: Parallel, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW over this rank's parameters, its state created now (training/optim.py): over fp32
-    masters of bf16 parameters where the layout has no FSDP, sharded over the data-parallel ranks
-    under zero1 (ZeRO's P_os: each rank updates and broadcasts its partition)."""
-    from training.optim import MasterAdamW, init_state
+    """AdamW over this rank's parameters, its state created now and stepped a chunk at a time
+    (training/optim.py): over fp32 masters of bf16 parameters where the layout has no FSDP,
+    sharded over the data-parallel ranks under zero1 (ZeRO's P_os: each rank updates and
+    broadcasts its share)."""
+    from training.optim import MasterAdamW
 
     params = [p for p in parallel.model.parameters() if p.requires_grad]
     group = parallel.dp_group if parallel.shard_optimizer else None
-    if parallel.masters or group is not None:
-        optimizer = MasterAdamW(params, parallel.masters, lr, weight_decay, group)
-        parallel.masters.clear()  # the optimizer holds the masters of its partition; the rest are freed
-        return optimizer
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    init_state(optimizer)
+    optimizer = MasterAdamW(params, parallel.masters, lr, weight_decay, group)
+    parallel.masters.clear()  # the optimizer holds the masters of its partition; the rest are freed
     return optimizer
 
 

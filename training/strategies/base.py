@@ -11,6 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from training.config import StrategyConfig
+    from training.parallel.dims import ParallelDims
 
 SHARDABLE = ("optimizer", "gradients", "parameters")
 """What data parallelism can shard across its ranks (ZeRO's stages 1, 2 and 3)."""
@@ -83,3 +88,15 @@ def names() -> tuple[str, ...]:
 def flavours() -> list[Strategy]:
     """The data-parallel flavours, simplest first."""
     return sorted((s for s in REGISTRY.values() if s.is_flavour), key=lambda s: s.simplicity)
+
+
+def flavour_of(strategy: StrategyConfig, d: ParallelDims) -> str:
+    """The data-parallel flavour a configured strategy trains with (what the cost model charges):
+    its own when it is one; else by its degrees, FSDP's (resharding or not) when it shards, the
+    simplest when it does not."""
+    if get(strategy.name).is_flavour:
+        return strategy.name
+    if d.dp_shard > 1:
+        return next(f.name for f in flavours()
+                    if f.wrapper == "fsdp" and f.reshard_after_forward == strategy.reshard)
+    return flavours()[0].name
