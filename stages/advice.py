@@ -86,7 +86,8 @@ def variant(cfg: AdviceInputs, cost: VariantCost, own: VariantCost, hw: Hardware
     else:
         seconds = cost.executed_flops_per_sample / (peak * cfg.cluster.achievable_mfu)
     return Variant(cost.precision, cost.activation_checkpointing, seconds, cost.activation_bytes_per_sample, peak,
-                   cost.activation_replicated_bytes_per_sample)
+                   cost.activation_replicated_bytes_per_sample, cost.activation_outside_blocks_bytes_per_sample,
+                   cost.loss_temp_bytes_per_sample)
 
 
 def command_prefix(cfg: AdviceInputs) -> str:
@@ -132,6 +133,8 @@ def own_candidate(cfg: AdviceInputs, anatomy: Anatomy, variants: list[Variant], 
                  checkpointing=cfg.strategy.activation_checkpointing == "full",
                  tokens_per_sample=anatomy.tokens_per_sample, activation_bytes_per_sample=own.activation_bytes_per_sample,
                  activation_replicated_bytes_per_sample=own.activation_replicated_bytes_per_sample,
+                 activation_outside_blocks_bytes_per_sample=own.activation_outside_blocks_bytes_per_sample,
+                 loss_temp_bytes_per_sample=own.loss_temp_bytes_per_sample,
                  bucket_cap_bytes=cfg.strategy.bucket_cap_mb * 1024**2, seconds_per_sample=own.seconds_per_sample,
                  clip=cfg.train.grad_clip is not None, pp_schedule=cfg.strategy.pp_schedule)
     name = cfg.strategy.name if cfg.strategy.name in pure() else strategy_name(flavour, d)

@@ -34,6 +34,7 @@ def workbench(model: ModelConfig, data: DataConfig, seed: int) -> Workbench:
     """The seeded model for this rank's device, what it declares, its loss and the data set. A
     model that declares its initialisation comes on the meta device (spec.pending): `parallelize`
     shards it, then gives this rank its shard; nothing holds the whole model."""
+    from training.budget import host_side
     from training.data import build_dataset
     from training.dist import device
     from training.models import model_loss
@@ -41,7 +42,9 @@ def workbench(model: ModelConfig, data: DataConfig, seed: int) -> Workbench:
 
     dev = device()
     net, spec = build_on_device(model, seed, dev)
-    return Workbench(net, spec, model_loss(model), build_dataset(data), dev)
+    with host_side():  # the data set lives in host memory, as on a GPU machine; batches go to the device
+        dataset = build_dataset(data)
+    return Workbench(net, spec, model_loss(model), dataset, dev)
 
 
 def log(stage: str, message: str) -> None:

@@ -399,13 +399,27 @@ def variant_costs(cfg: PlanInputs, anatomy: Anatomy, measured_activations: float
              for precision, checkpointing in searched_variants(advice_inputs(cfg), anatomy.shape.layers)]
     if measured_activations is not None:
         own = (cfg.strategy.precision, cfg.strategy.activation_checkpointing)
-        # The measured step's bytes, split as the meta count split them.
-        costs = [dataclasses.replace(c, activation_bytes_per_sample=measured_activations,
-                                     activation_replicated_bytes_per_sample=measured_activations * (
-                                         c.activation_replicated_bytes_per_sample / c.activation_bytes_per_sample
-                                         if c.activation_bytes_per_sample else 0.0))
+        # The measured step's saved bytes, split as the meta count split them, and its loss temporaries.
+        costs = [dataclasses.replace(c, activation_bytes_per_sample=measured_activations + c.loss_temp_bytes_per_sample,
+                                     activation_replicated_bytes_per_sample=c.loss_temp_bytes_per_sample
+                                     + measured_activations * _share(c.activation_replicated_bytes_per_sample
+                                                                     - c.loss_temp_bytes_per_sample, c))
                  if (c.precision, c.activation_checkpointing) == own else c for c in costs]
     return costs
+
+
+def _share(part: float, cost) -> float:  # noqa: ANN001 - a training.anatomy.VariantCost
+    """`part` of the bytes `cost` counted saved (its loss temporaries aside), as a fraction."""
+    saved = cost.activation_bytes_per_sample - cost.loss_temp_bytes_per_sample
+    return part / saved if saved else 0.0
+
+
+def with_activations(anatomy: Anatomy, cost) -> Anatomy:  # noqa: ANN001 - a training.anatomy.VariantCost
+    """`anatomy` with the activations of the run's own setting (`cost`)."""
+    return dataclasses.replace(anatomy, activation_bytes_per_sample=cost.activation_bytes_per_sample,
+                               activation_replicated_bytes_per_sample=cost.activation_replicated_bytes_per_sample,
+                               activation_outside_blocks_bytes_per_sample=cost.activation_outside_blocks_bytes_per_sample,
+                               loss_temp_bytes_per_sample=cost.loss_temp_bytes_per_sample)
 
 
 def workload(cfg: PlanInputs, anatomy: Anatomy) -> Workload:
@@ -419,6 +433,8 @@ def workload(cfg: PlanInputs, anatomy: Anatomy) -> Workload:
         tokens_per_sample=anatomy.tokens_per_sample,
         activation_bytes_per_sample=anatomy.activation_bytes_per_sample,
         activation_replicated_bytes_per_sample=anatomy.activation_replicated_bytes_per_sample,
+        activation_outside_blocks_bytes_per_sample=anatomy.activation_outside_blocks_bytes_per_sample,
+        loss_temp_bytes_per_sample=anatomy.loss_temp_bytes_per_sample,
         bucket_cap_bytes=cfg.strategy.bucket_cap_mb * 1024**2,
         clip=cfg.train.grad_clip is not None,
         pp_schedule=cfg.strategy.pp_schedule,
@@ -569,8 +585,7 @@ def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult,
     costs = variant_costs(cfg, anatomy, measured)
     own = next(c for c in costs if (c.precision, c.activation_checkpointing) ==
                (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
-    anatomy = dataclasses.replace(anatomy, activation_bytes_per_sample=own.activation_bytes_per_sample,
-                                  activation_replicated_bytes_per_sample=own.activation_replicated_bytes_per_sample)
+    anatomy = with_activations(anatomy, own)
     w = workload(cfg, anatomy)
     hw = hardware(cfg, own.executed_flops_per_sample, rulers, bandwidth, micro)
     calibration = fit_calibration(history) if cfg.plan.calibrate else None
@@ -605,8 +620,7 @@ def whatif(cfg: PlanInputs) -> PlanResult:
     costs = variant_costs(cfg, anatomy, None)
     own = next(c for c in costs if (c.precision, c.activation_checkpointing) ==
                (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
-    anatomy = dataclasses.replace(anatomy, activation_bytes_per_sample=own.activation_bytes_per_sample,
-                                  activation_replicated_bytes_per_sample=own.activation_replicated_bytes_per_sample)
+    anatomy = with_activations(anatomy, own)
     w = workload(cfg, anatomy)
     hw = hardware(cfg, own.executed_flops_per_sample, None, None, w.micro_batch)
     fields, reasons = advise_plan(cfg, anatomy, costs, hw, w, None)

@@ -284,6 +284,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     import torch
 
     from training import checkpoint
+    from training.budget import stage_peak_bytes
     from training.data import GlobalBatches, first_samples, loader
     from training.flops import peak_flops
     from training.loop import lr_lambda, train_loop
@@ -340,6 +341,10 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     step_time = statistics.median(stats.step_seconds) if stats.step_seconds else stats.timed_seconds / stats.timed_steps
     efficiency = (samples_per_s / world) / (base / base_world)
     stage = dims.coordinates(rank())["pp"] if world > 1 else 0
+    # The prediction is held against the highest rank's real peak where it is measured (a CPU
+    # budget's tracker, CUDA's allocator), else against the step's counted tensors.
+    peaks = [p for p in gather_objects(stage_peak_bytes()) if p is not None]
+    held_peak = max(peaks) if peaks else memory.peak_bytes
     digests = gather_objects((stage, parameter_digest(parallel.model)))
     system = [x for node in gather_objects(sampler.samples if sampling else []) for x in node]
     return TrainResult(
@@ -379,7 +384,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
         bucket_allreduce_ms=parallel.bucket_timer.ms if parallel.bucket_timer is not None else [],
         time_split=profiler.split if profiler is not None else [],
         prediction=check_prediction(plan, chosen, strategy.name, world, step_time, samples_per_s, efficiency,
-                                    memory.peak_bytes),
+                                    held_peak),
         system=system,
         ranks_in_sync=all(len({d for s, d in digests if s == k}) == 1 for k in {s for s, _ in digests}),
     )

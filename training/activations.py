@@ -26,6 +26,12 @@ class TpSplit:
     """Everything saved for backward (parameters excluded)."""
     replicated_bytes: int
     """The part saved outside the split regions: whole on every TP rank."""
+    outside_blocks_bytes: int = 0
+    """The part saved outside the model's blocks (embeddings, final norm, head, loss)."""
+    loss_temp_bytes: int = 0
+    """What backward makes first, beside all that is saved: the gradients of the loss with respect
+    to the model's output and the loss's own intermediate (two fp32 tensors of the output's size,
+    e.g. a language model's logits; whole on every TP rank, as the head is not split)."""
 
 
 OPENS = ("colwise",)
@@ -43,13 +49,21 @@ def _role(style: str) -> str | None:
     return None
 
 
-def measure_tp_split(model: nn.Module, plan: dict[str, str], run: Callable[[], torch.Tensor]) -> TpSplit:
+def measure_tp_split(model: nn.Module, plan: dict[str, str], run: Callable[[], torch.Tensor],
+                     blocks: list[nn.Module] | tuple = ()) -> TpSplit:
     """Run `run` (a forward returning the loss) and its backward, counting saved bytes by where
-    they were saved; `plan` is the model's TP plan as full module names -> styles."""
+    they were saved; `plan` is the model's TP plan as full module names -> styles, `blocks` the
+    model's blocks (what is saved outside them is told apart too)."""
     inside = [False]
+    depth = [0]
     split_keys: set[int] = set()
-    saved = _Classifier(model, inside, split_keys)
-    handles = []
+    block_keys: set[int] = set()
+    saved = _Classifier(model, inside, split_keys, depth, block_keys)
+    outputs: list[int] = []
+    handles = [model.register_forward_hook(lambda m, a, o: outputs.append(_numel(o)))]
+    for block in blocks:
+        handles.append(block.register_forward_pre_hook(lambda m, a: depth.__setitem__(0, depth[0] + 1)))
+        handles.append(block.register_forward_hook(lambda m, a, o: depth.__setitem__(0, depth[0] - 1)))
     for name, style in plan.items():
         role = _role(style)
         if role is not None:
@@ -65,21 +79,36 @@ def measure_tp_split(model: nn.Module, plan: dict[str, str], run: Callable[[], t
         model.zero_grad(set_to_none=True)
     total = saved.bytes
     whole = sum(n for k, n in saved.sizes.items() if k not in split_keys)
-    return TpSplit(total, whole)
+    outside = sum(n for k, n in saved.sizes.items() if k not in block_keys) if blocks else 0
+    return TpSplit(total, whole, outside, 2 * 4 * sum(outputs))
+
+
+def _numel(output: object) -> int:
+    """Elements of a forward's output: a tensor, a tuple's first, a Hugging Face output's logits."""
+    if isinstance(output, torch.Tensor):
+        return output.numel()
+    if isinstance(output, tuple | list) and output:
+        return _numel(output[0])
+    logits = getattr(output, "logits", None)
+    return logits.numel() if isinstance(logits, torch.Tensor) else 0
 
 
 class _Classifier(SavedActivations):
     """SavedActivations that also notes which storages were first saved inside a split region."""
 
-    def __init__(self, model: nn.Module, inside: list[bool], split_keys: set[int]):
+    def __init__(self, model: nn.Module, inside: list[bool], split_keys: set[int], depth: list[int],
+                 block_keys: set[int]):
         super().__init__(model)
-        self.inside, self.split_keys = inside, split_keys
+        self.inside, self.split_keys, self.depth, self.block_keys = inside, split_keys, depth, block_keys
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         before = set(self._seen)
         out = super()._pack(t)
+        new = set(self._seen) - before
         if self.inside[0]:
-            self.split_keys.update(set(self._seen) - before)
+            self.split_keys.update(new)
+        if self.depth[0] > 0:
+            self.block_keys.update(new)
         return out
 
     @property

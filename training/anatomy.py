@@ -213,9 +213,15 @@ class VariantCost:
     executed_flops_per_sample: float
     """What the device computes: the model's FLOPs, plus the recomputed forward under checkpointing."""
     activation_bytes_per_sample: float
-    """Saved for backward, as a GPU's fused attention saves it."""
+    """Saved for backward, as a GPU's fused attention saves it, and the loss's gradient
+    temporaries at the start of backward (`loss_temp_bytes_per_sample`)."""
     activation_replicated_bytes_per_sample: float = 0.0
     """The part of it tensor parallelism leaves whole on every rank (training/activations.py)."""
+    loss_temp_bytes_per_sample: float = 0.0
+    """Of the activation bytes, the loss's gradient temporaries at the start of backward (two fp32
+    copies of the model's output), which are not saved tensors."""
+    activation_outside_blocks_bytes_per_sample: float = 0.0
+    """Of the saved bytes, those saved outside the blocks (embeddings, head, loss)."""
 
 
 def build_on_meta(cfg: ModelConfig, seed: int, precision: str = "fp32",
@@ -247,10 +253,12 @@ def measure_variant(cfg: ModelConfig, seed: int, sample: Batch, precision: str, 
     except ContractError:
         plan = {}
     with FlopCount() as flops:
-        split = measure_tp_split(model, plan, lambda: batch_loss(model, sample, model_loss(cfg)))
+        split = measure_tp_split(model, plan, lambda: batch_loss(model, sample, model_loss(cfg)),
+                                 [b.module for b in spec.blocks])
     samples = batch_size(sample)
-    return VariantCost(precision, checkpointing, flops.total / samples, split.saved_bytes / samples,
-                       split.replicated_bytes / samples)
+    temps = split.loss_temp_bytes / samples
+    return VariantCost(precision, checkpointing, flops.total / samples, split.saved_bytes / samples + temps,
+                       split.replicated_bytes / samples + temps, temps, split.outside_blocks_bytes / samples)
 
 
 def meta_memory_audit(cfg: ModelConfig, seed: int, batch: Batch, precision: str) -> list[AuditRow]:

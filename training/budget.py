@@ -18,9 +18,10 @@ ops that run on threads of their own.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -57,6 +58,9 @@ class StorageTracker(TorchDispatchMode):
         self._lock = threading.RLock()
         """A storage may be freed on another thread (a collective's, when its work completes)."""
         self._resize: Callable[..., Any] | None = None
+        self._host: dict[int, weakref.ref] = {}
+        """Storages made under `host_side`: host memory, never counted."""
+        self._on_host = False
 
     def __enter__(self) -> StorageTracker:
         self._resize = resize = torch.UntypedStorage.resize_
@@ -68,10 +72,12 @@ class StorageTracker(TorchDispatchMode):
 
         # Storage resizes are not ops a dispatch mode sees.
         torch.UntypedStorage.resize_ = tracked_resize  # type: ignore[method-assign]
+        _ACTIVE.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        _ACTIVE.remove(self)
         super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -113,6 +119,12 @@ class StorageTracker(TorchDispatchMode):
         """Count `storage` at its size now: once, however many tensors view it; again by the
         difference when it was resized."""
         key, nbytes = id(storage), storage.nbytes()
+        host = self._host.get(key)
+        if host is not None and host() is storage:
+            return
+        if self._on_host:
+            self._host[key] = weakref.ref(storage, lambda ref: self._host.pop(key, None))
+            return
         known = self._live.get(key)
         if known is not None and known[1] == nbytes:
             return
@@ -144,6 +156,33 @@ class StorageTracker(TorchDispatchMode):
         return DeviceOutOfMemory(
             f"rank {self.rank}: device memory budget exceeded: {_size(self.current_bytes)} in use > "
             f"{_size(self.budget_bytes)} ({BUDGET_KEY}={self.budget_gib:g})")
+
+
+_ACTIVE: list[StorageTracker] = []
+
+
+@contextlib.contextmanager
+def host_side() -> Iterator[None]:
+    """Tensors made in this block are host memory, not the device's: a data set in RAM, as it is
+    on a GPU machine (on CPU "device" and host are one memory, but only the device's is budgeted).
+    What a step then takes from it onto the device (the batch) is counted again."""
+    for tracker in _ACTIVE:
+        tracker._on_host = True
+    try:
+        yield
+    finally:
+        for tracker in _ACTIVE:
+            tracker._on_host = False
+
+
+def stage_peak_bytes() -> int | None:
+    """This process's peak device memory so far in the running stage: the tracker's under a CPU
+    budget, CUDA's allocator's; None where nothing measures it."""
+    if _ACTIVE:
+        return _ACTIVE[-1].peak_bytes
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_reserved()
+    return None
 
 
 def _size(nbytes: int) -> str:

@@ -86,6 +86,10 @@ class Anatomy:
     activation_replicated_bytes_per_sample: float = 0.0
     """The part of the activations tensor parallelism leaves whole on every rank (no sequence
     parallelism: what is saved outside the layers its plan splits); 0: not measured."""
+    activation_outside_blocks_bytes_per_sample: float = 0.0
+    """The part saved outside the blocks (embeddings, head, loss); 0: not measured."""
+    loss_temp_bytes_per_sample: float = 0.0
+    """The loss's gradient temporaries at the start of backward, counted in the activations."""
 
 
 # ---- memory ---------------------------------------------------------------------------------
@@ -98,13 +102,23 @@ class Memory:
     optim_bytes: float
     """The optimizer's own tensors: Adam's moments, and the fp32 masters of bf16 parameters."""
     activation_bytes: float
+    """Saved for backward at its start (activation_memory), with the loss's temporaries."""
+    loss_temp_bytes: float = 0.0
+    """Of the activations, the loss's gradient temporaries: gone once backward reaches the blocks."""
+    gathered_root_bytes: float = 0.0
+    """FSDP: the root unit's gathered parameters, held from forward through backward (ZeRO-3;
+    ZeRO-2's gathered copies are in its states)."""
     working_bytes: float = 0.0
-    """FSDP's transient working set while blocks run backward: gathered units, the prefetched one,
-    a unit's unsharded gradients and their fp32 reduce-scatter buffer (fsdp_working_set)."""
+    """FSDP's working set while a block runs backward: that block and the prefetched next one
+    gathered, and the fp32 buffer its gradients are reduce-scattered from (fsdp_working_set)."""
     tail_bytes: float = 0.0
     """After backward, once the activations are freed: FSDP's last reduction (the root unit's
     unsharded gradients and their fp32 reduce-scatter buffer, fsdp_root_reduce), or the optimizer
     step's temporaries (optimizer_step_bytes), whichever is larger."""
+    grads_in_backward: float = -1.0
+    """Gradient bytes already held when backward starts: all of them where DDP's buckets hold them
+    from construction, none where they are made during backward (FSDP, a TP or PP model without
+    DDP: its gradients appear as its activations go); -1: grad_bytes."""
 
     @property
     def states(self) -> float:
@@ -112,8 +126,12 @@ class Memory:
 
     @property
     def total(self) -> float:
-        """The peak: during backward, or at the root's reduction after it, whichever is higher."""
-        return self.states + max(self.activation_bytes + self.working_bytes, self.tail_bytes)
+        """The peak, the highest of three moments: backward's start (every activation and the
+        loss's temporaries), a block's backward (the temporaries gone, FSDP's working set there),
+        and after backward (every gradient, and the root's reduction or the optimizer's step)."""
+        early = self.grad_bytes if self.grads_in_backward < 0 else self.grads_in_backward
+        held = self.param_bytes + self.optim_bytes + early + self.activation_bytes + self.gathered_root_bytes
+        return max(held, held - self.loss_temp_bytes + self.working_bytes, self.states + self.tail_bytes)
 
 
 def params_per_rank(shape: Shape, d: ParallelDims) -> float:
@@ -165,21 +183,34 @@ def state_memory(shape: Shape, strategy: str, d: ParallelDims, precision: str, r
     return Memory(p * psi, g * psi, o * psi, 0)
 
 
-def fsdp_working_set(shape: Shape, strategy: str, d: ParallelDims, precision: str, reshard: bool = True) -> float:
-    """FSDP2's transient bytes at the peak of backward, beyond the sharded states: the root unit's
-    gathered parameters (the root is never resharded after forward), the unit in backward and the
-    next one prefetched, gathered (ZeRO-3 only: ZeRO-2's are counted in its states), and that
-    unit's unsharded gradients in the compute dtype plus the fp32 buffer they are reduce-scattered
-    from. A unit is one block (the largest share: every block alike) split by TP."""
-    if not d.uses_fsdp:
-        return 0.0
-    c = COMPUTE_BYTES[precision]
+def _unit_params(shape: Shape, d: ParallelDims) -> tuple[float, float]:
+    """(a block's parameters on this rank, split by TP; the root unit's: embeddings and head, or
+    the heavier end on a pipeline stage)."""
     block = (shape.params - shape.first_stage_params - shape.last_stage_params) / max(shape.layers, 1)
     block -= shape.block_linear_params / max(shape.layers, 1) * (1 - 1 / d.tp)
     ends = max(shape.first_stage_params, shape.last_stage_params) if d.pp > 1 else (
         shape.first_stage_params + shape.last_stage_params)
-    gathered = 0.0 if keeps_gathered(strategy, reshard) else c * (ends + 2 * block)
-    return gathered + (c + MASTER_BYTES) * block
+    return block, ends
+
+
+def fsdp_gathered_root(shape: Shape, strategy: str, d: ParallelDims, precision: str, reshard: bool = True) -> float:
+    """FSDP2's root unit (embeddings, head), gathered in the compute dtype for forward and kept
+    through backward (FSDP2 never reshards the root after forward); ZeRO-2 counts it in its states."""
+    if not d.uses_fsdp or keeps_gathered(strategy, reshard):
+        return 0.0
+    return COMPUTE_BYTES[precision] * _unit_params(shape, d)[1]
+
+
+def fsdp_working_set(shape: Shape, strategy: str, d: ParallelDims, precision: str, reshard: bool = True) -> float:
+    """FSDP2's transient bytes while a block runs backward, beyond the states and the gathered
+    root: under ZeRO-3 the block gathered and the next one prefetched, in the compute dtype; and
+    that block's gradients in the fp32 buffer they are reduce-scattered from (measured: the
+    compute-dtype gradients are freed as they are copied in)."""
+    if not d.uses_fsdp:
+        return 0.0
+    block, _ = _unit_params(shape, d)
+    gathered = 0.0 if keeps_gathered(strategy, reshard) else 2 * COMPUTE_BYTES[precision] * block
+    return gathered + MASTER_BYTES * block
 
 
 def fsdp_root_reduce(shape: Shape, d: ParallelDims, precision: str) -> float:
@@ -188,9 +219,7 @@ def fsdp_root_reduce(shape: Shape, d: ParallelDims, precision: str) -> float:
     For a model whose embeddings and head outweigh a block this, not a block's, is the peak."""
     if not d.uses_fsdp:
         return 0.0
-    ends = max(shape.first_stage_params, shape.last_stage_params) if d.pp > 1 else (
-        shape.first_stage_params + shape.last_stage_params)
-    return (COMPUTE_BYTES[precision] + MASTER_BYTES) * ends
+    return (COMPUTE_BYTES[precision] + MASTER_BYTES) * _unit_params(shape, d)[1]
 
 
 def optimizer_step_bytes(updated: float) -> float:
@@ -457,6 +486,12 @@ class Workload:
     activation_replicated_bytes_per_sample: float = 0.0
     """The part of them tensor parallelism leaves whole on every rank (what is saved outside the
     layers its plan splits: norms, residuals, the split linears' inputs); 0: all of it splits."""
+    activation_outside_blocks_bytes_per_sample: float = 0.0
+    """The part saved outside the blocks (embeddings, head, loss): on the first and last pipeline
+    stage, not spread over the blocks."""
+    loss_temp_bytes_per_sample: float = 0.0
+    """Of the activation bytes, the loss's gradient temporaries at the start of backward (two fp32
+    copies of the model's output): gone once backward reaches the blocks."""
     bucket_cap_bytes: float = 25 * 1024**2
     """DDP's gradient bucket size (strategy.bucket_cap_mb)."""
     seconds_per_sample: float | None = None
@@ -634,18 +669,25 @@ def feasible(shape: Shape, d: ParallelDims, w: Workload) -> bool:
 
 
 def activation_memory(w: Workload, d: ParallelDims) -> float:
-    """The activations one rank holds at the peak: its pipeline stage's share of the blocks, for
-    the microbatches the schedule keeps in flight (GPipe all m; 1F1B min(m, p) on the first stage),
-    with TP dividing only what its plan splits (no sequence parallelism)."""
+    """The activations one rank holds at the start of backward, the loss's temporaries included.
+
+    TP divides only what its plan splits (no sequence parallelism). A pipeline stage holds its
+    share of the blocks' activations for the microbatches its schedule keeps in flight (GPipe: all
+    m; 1F1B: min(m, p) on the first stage, one on the last), and the last stage also what is saved
+    outside the blocks (the head, the loss) and the loss's temporaries, per microbatch in flight;
+    the higher of the first and the last stage."""
     per_sample = w.activation_bytes_per_sample
     if d.tp > 1:
         kept = w.activation_replicated_bytes_per_sample
         per_sample = kept + (per_sample - kept) / d.tp
     if d.pp == 1:
         return per_sample * w.micro_batch
-    layers_share = math.ceil(w.shape.layers / d.pp) / max(w.shape.layers, 1)
-    in_flight = min(w.microbatches, d.pp) if w.pp_schedule == "1f1b" else w.microbatches
-    return per_sample * w.micro_batch / w.microbatches * in_flight * layers_share
+    ends = min(w.activation_outside_blocks_bytes_per_sample + w.loss_temp_bytes_per_sample, per_sample)
+    blocks = (per_sample - ends) * math.ceil(w.shape.layers / d.pp) / max(w.shape.layers, 1)
+    per_micro = w.micro_batch / w.microbatches
+    first = min(w.microbatches, d.pp) if w.pp_schedule == "1f1b" else w.microbatches
+    last = 1 if w.pp_schedule == "1f1b" else w.microbatches
+    return per_micro * max(blocks * first, (blocks + ends) * last)
 
 
 def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:
@@ -653,7 +695,12 @@ def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:
     states = state_memory(w.shape, strategy, d, w.precision)
     masters = w.precision == "bf16" and not d.uses_fsdp  # the optimizer holds fp32 masters beside the moments
     per_updated = MOMENT_BYTES + (MASTER_BYTES if masters else 0)
-    return dataclasses.replace(states, activation_bytes=activation_memory(w, d),
+    buckets = d.dp_replicate_enabled and not d.uses_fsdp  # DDP: gradients are views of its buckets
+    # The loss's temporaries: on the stage that computes the loss, per microbatch in flight there.
+    temps = w.loss_temp_bytes_per_sample * w.micro_batch / (w.microbatches if d.pp > 1 else 1)
+    return dataclasses.replace(states, activation_bytes=activation_memory(w, d), loss_temp_bytes=temps,
+                               grads_in_backward=states.grad_bytes if buckets else 0.0,
+                               gathered_root_bytes=fsdp_gathered_root(w.shape, strategy, d, w.precision),
                                working_bytes=fsdp_working_set(w.shape, strategy, d, w.precision),
                                tail_bytes=max(fsdp_root_reduce(w.shape, d, w.precision),
                                               optimizer_step_bytes(states.optim_bytes / per_updated)))

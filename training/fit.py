@@ -25,6 +25,8 @@ class Counted:
     shape: Shape
     activation_bytes_per_sample: float
     activation_replicated_bytes_per_sample: float
+    activation_outside_blocks_bytes_per_sample: float = 0.0
+    loss_temp_bytes_per_sample: float = 0.0
 
 
 _COUNTED: dict[str, Counted] = {}
@@ -45,7 +47,8 @@ def counted(model: ModelConfig, data: DataConfig, seed: int, precision: str, che
         shape = shape_of(model_nn, spec, hidden=1, positions=1)
         sample = to_device(first_samples(build_dataset(data), 1), torch.device("meta"))
         cost = measure_variant(model, seed, sample, precision, checkpointing)
-        _COUNTED[key] = Counted(shape, cost.activation_bytes_per_sample, cost.activation_replicated_bytes_per_sample)
+        _COUNTED[key] = Counted(shape, cost.activation_bytes_per_sample, cost.activation_replicated_bytes_per_sample,
+                                cost.activation_outside_blocks_bytes_per_sample, cost.loss_temp_bytes_per_sample)
     return _COUNTED[key]
 
 
@@ -63,8 +66,11 @@ def slice_counted(model: ModelConfig, data: DataConfig, seed: int, precision: st
     spec.keep_first_blocks(blocks)
     sample = to_device(first_samples(build_dataset(data), 1), torch.device("meta"))
     with fused_attention_on_meta():
-        split = measure_tp_split(net, {}, lambda: batch_loss(net, sample, model_loss(model)))
-    return Counted(shape_of(net, spec, hidden=1, positions=1), split.saved_bytes, split.saved_bytes)
+        split = measure_tp_split(net, {}, lambda: batch_loss(net, sample, model_loss(model)),
+                                 [b.module for b in spec.blocks])
+    per_sample = split.saved_bytes + split.loss_temp_bytes
+    return Counted(shape_of(net, spec, hidden=1, positions=1), per_sample, per_sample,
+                   split.outside_blocks_bytes, split.loss_temp_bytes)
 
 
 def blocks_that_fit(model: ModelConfig, data: DataConfig, seed: int, strategy: StrategyConfig, micro_batch: int,
@@ -90,6 +96,8 @@ def rank_memory(c: Counted, strategy: StrategyConfig, flavour: str, world: int, 
                  precision=strategy.precision, checkpointing=strategy.activation_checkpointing == "full",
                  tokens_per_sample=1, activation_bytes_per_sample=c.activation_bytes_per_sample,
                  activation_replicated_bytes_per_sample=c.activation_replicated_bytes_per_sample,
+                 activation_outside_blocks_bytes_per_sample=c.activation_outside_blocks_bytes_per_sample,
+                 loss_temp_bytes_per_sample=c.loss_temp_bytes_per_sample,
                  pp_schedule=strategy.pp_schedule)
     return memory_breakdown(w, flavour, d)
 

@@ -51,6 +51,9 @@ class Variant:
     """The device's peak FLOP/s in this precision (MFU divides by it); None: unknown (CPUs)."""
     activation_replicated_bytes_per_sample: float = 0.0
     """The part of the activations tensor parallelism leaves whole (Workload's field of that name)."""
+    activation_outside_blocks_bytes_per_sample: float = 0.0
+    loss_temp_bytes_per_sample: float = 0.0
+    """Workload's fields of these names."""
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,9 @@ def search(space: Space, shape: Shape, hw: Hardware, tokens_per_sample: int, mod
                                      activation_bytes_per_sample=variant.activation_bytes_per_sample,
                                      activation_replicated_bytes_per_sample=(
                                          variant.activation_replicated_bytes_per_sample),
+                                     activation_outside_blocks_bytes_per_sample=(
+                                         variant.activation_outside_blocks_bytes_per_sample),
+                                     loss_temp_bytes_per_sample=variant.loss_temp_bytes_per_sample,
                                      bucket_cap_bytes=bucket * 1024**2, seconds_per_sample=variant.seconds_per_sample,
                                      clip=space.clip, pp_schedule=schedule)
                         if not feasible(shape, d, w):

@@ -14,6 +14,7 @@ from training.costmodel import (
     Shape,
     Workload,
     activation_memory,
+    fsdp_gathered_root,
     fsdp_root_reduce,
     fsdp_working_set,
     memory_breakdown,
@@ -76,18 +77,20 @@ SHAPE = Shape(params=1000, layers=4, block_linear_params=400, hidden=H, seq_len=
               first_stage_params=100, last_stage_params=100)
 
 
-def test_zero3s_working_set_is_the_root_two_gathered_blocks_and_one_blocks_gradients():
-    """bf16 zero3 on 8 ranks: blocks of (1000 - 200) / 4 = 200 parameters. At the peak of backward
-    the root (embeddings + head, 200) is gathered (never resharded after forward), the block in
-    backward and the prefetched one (2 x 200), in 2 bytes; that block's unsharded bf16 gradients
-    and their fp32 reduce-scatter buffer (200 x (2 + 4))."""
+def test_zero3_holds_the_root_gathered_and_in_backward_two_blocks_and_one_blocks_gradients():
+    """bf16 zero3 on 8 ranks: blocks of (1000 - 200) / 4 = 200 parameters. The root (embeddings +
+    head, 200) stays gathered from forward through backward (2 bytes: FSDP2 never reshards the
+    root after forward). While a block runs backward: it and the prefetched next one gathered
+    (2 x 200 x 2) and its gradients in the fp32 buffer they are reduce-scattered from (200 x 4: the
+    bf16 ones are freed as they are copied in)."""
     d = ParallelDims(dp_shard=8)
-    assert fsdp_working_set(SHAPE, "zero3", d, "bf16") == 2 * (200 + 2 * 200) + (2 + 4) * 200
-    # ZeRO-2 holds its gathered copies in its states; only the gradients are transient.
-    assert fsdp_working_set(SHAPE, "zero2", d, "bf16") == (2 + 4) * 200
+    assert fsdp_gathered_root(SHAPE, "zero3", d, "bf16") == 2 * 200
+    assert fsdp_working_set(SHAPE, "zero3", d, "bf16") == 2 * 2 * 200 + 4 * 200
+    # ZeRO-2 holds its gathered copies in its states; only the gradient buffer is transient.
+    assert fsdp_gathered_root(SHAPE, "zero2", d, "bf16") == 0
+    assert fsdp_working_set(SHAPE, "zero2", d, "bf16") == 4 * 200
     # TP 2 splits the block linears (400 / 4 = 100 per block): a block is 150 on each rank.
-    assert fsdp_working_set(SHAPE, "zero3", ParallelDims(dp_shard=4, tp=2), "fp32") == (
-        4 * (200 + 2 * 150) + (4 + 4) * 150)
+    assert fsdp_working_set(SHAPE, "zero3", ParallelDims(dp_shard=4, tp=2), "fp32") == 2 * 4 * 150 + 4 * 150
     assert fsdp_working_set(SHAPE, "ddp", ParallelDims(dp_replicate=8), "bf16") == 0
 
 
@@ -98,30 +101,42 @@ def workload(schedule: str, microbatches: int) -> Workload:
 
 
 def test_gpipe_keeps_every_microbatch_and_1f1b_at_most_the_stages():
-    """pp 2 over 4 layers: a stage holds 2 of them, half the per-sample bytes. 8 samples in 4
-    microbatches of 2: GPipe keeps all 4 until the backward (8 samples); 1F1B on the first stage
-    min(4, 2) = 2 microbatches (4 samples)."""
+    """pp 2 over 4 layers: a stage holds 2 of them. Per sample 1000 bytes, of which 200 are saved
+    outside the blocks (head, loss) and so on the last stage only: 800 x 2/4 = 400 per sample of
+    blocks on each stage. 8 samples in 4 microbatches of 2: GPipe keeps all 4 on every stage (the
+    last: (400 + 200) x 8); 1F1B min(4, 2) = 2 on the first stage (400 x 4) and one on the last
+    ((400 + 200) x 2)."""
     d = ParallelDims(pp=2)
-    assert activation_memory(workload("gpipe", 4), d) == 1000.0 * 8 * 0.5
-    assert activation_memory(workload("1f1b", 4), d) == 1000.0 * 4 * 0.5
-    assert activation_memory(workload("1f1b", 1), d) == 1000.0 * 8 * 0.5
+    w = dataclasses.replace(workload("gpipe", 4), activation_outside_blocks_bytes_per_sample=200.0)
+    assert activation_memory(w, d) == 600.0 * 8
+    w = dataclasses.replace(w, pp_schedule="1f1b")
+    assert activation_memory(w, d) == max(400.0 * 4, 600.0 * 2)
+    assert activation_memory(dataclasses.replace(w, microbatches=1), d) == 600.0 * 8
 
 
-def test_the_breakdown_peaks_in_backward_or_at_the_roots_reduction():
-    """States, then the higher of: backward (activations + the working set) and the root unit's
-    reduction after it (its 200 parameters' bf16 gradients and fp32 buffer: 200 x 6)."""
-    w = workload("1f1b", 1)
+def test_the_peak_is_the_highest_of_backwards_start_a_blocks_backward_and_after():
+    """Backward's start: parameters, optimizer, the gradients that exist by then (DDP's buckets:
+    all; FSDP: none yet), every activation with the loss's temporaries, the gathered root. A
+    block's backward: the temporaries gone, FSDP's working set there. After backward: every state,
+    and the root's reduction (its 200 parameters' bf16 gradients and fp32 buffer: 200 x 6) or the
+    optimizer's chunked step."""
     d = ParallelDims(dp_shard=8)
+    w = dataclasses.replace(workload("1f1b", 1), loss_temp_bytes_per_sample=100.0)
     m = memory_breakdown(w, "zero3", d)
-    assert m.states == 1000 * 16 / 8 and m.activation_bytes == 8000.0
-    assert m.working_bytes == fsdp_working_set(SHAPE, "zero3", d, "bf16")
+    assert m.states == 1000 * 16 / 8 and m.activation_bytes == 8000.0 and m.loss_temp_bytes == 800.0
+    assert m.grads_in_backward == 0 and m.gathered_root_bytes == 400
     assert m.tail_bytes == fsdp_root_reduce(SHAPE, d, "bf16") == 200 * (2 + 4)
-    assert m.total == m.states + m.activation_bytes + m.working_bytes
+    start = m.param_bytes + m.optim_bytes + 8000 + 400
+    assert m.working_bytes == 2 * 2 * 200 + 4 * 200 > 800  # here a block's backward is the peak
+    assert m.total == max(start, start - 800 + m.working_bytes) == start - 800 + 1600
+    ddp = memory_breakdown(w, "ddp", ParallelDims(dp_replicate=8))
+    assert ddp.grads_in_backward == ddp.grad_bytes == 2 * 1000 and ddp.total == ddp.states + ddp.activation_bytes
     # Embeddings and head of 600 over blocks of 100: the root's reduction (600 x 6 = 3600) outweighs
-    # backward's working set (2 x (600 + 2 x 100) + 6 x 100 = 2200) once activations are small.
+    # the gathered root and a block's working set (600 x 2 + 2 x 100 x 2 + 100 x 4) beside tiny activations.
     heavy_ends = dataclasses.replace(SHAPE, first_stage_params=300, last_stage_params=300)
-    small = memory_breakdown(dataclasses.replace(w, shape=heavy_ends, activation_bytes_per_sample=0.01), "zero3", d)
-    assert (small.working_bytes, small.tail_bytes) == (2200, 3600)
+    small = memory_breakdown(dataclasses.replace(w, shape=heavy_ends, activation_bytes_per_sample=0.01,
+                                                 loss_temp_bytes_per_sample=0.0), "zero3", d)
+    assert (small.gathered_root_bytes, small.working_bytes, small.tail_bytes) == (1200, 800, 3600)
     assert small.total == small.states + small.tail_bytes
 
 

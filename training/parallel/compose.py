@@ -162,6 +162,7 @@ def _plain_step(model: nn.Module, loss_fn: LossFn, ctx, scaler) -> Callable:
         with ctx():
             output, target = forward(model, batch)
             loss = loss_fn(output, target) * scale
+        del output  # the logits: autograd keeps what backward needs; this name would keep them all
         (scaler.scale(loss) if scaler is not None else loss).backward()
         return loss.detach().float()
 
