@@ -223,7 +223,7 @@ PLANNER_REPEATS = 3
 
 
 def bench_planner() -> list[Row]:
-    """7. The plan's predicted step time and memory vs the measured ones, ddp and zero3 at world 1, 2, 4.
+    """7. The plan's predicted step time vs the measured one, ddp and zero3 at world 1, 2, 4 (memory: 8).
     Each point is measured three times (the median: identical runs on this machine differ by up to
     a third) and predicted three ways: by the model alone; by plan.calibrate=true with every
     point measured (the real path: MLflow history, median of each point's runs); and by a
@@ -248,9 +248,6 @@ def bench_planner() -> list[Row]:
             times = ", ".join(f"{r['stages']['train']['result']['step_time_s'] * 1e3:.1f}" for r in runs)
             rows.append(Row(f"planner (model), {strategy} world {nodes}: step time measured (median of {times}) vs "
                             "predicted", step_ms, train["prediction"]["step_time_s"] * 1e3, "ms", "within 15 %"))
-            rows.append(Row(f"planner, {strategy} world {nodes}: peak memory measured vs predicted",
-                            train["peak_memory_bytes"] / MIB, train["prediction"]["memory_bytes"] / MIB, "MiB",
-                            "within 10 %"))
         for strategy, nodes in points:
             name = f"{strategy}{nodes}-calibrated"
             _cli(Path(tmp), f"strategy={strategy}", f"nodes={nodes}", "train.steps=80", "bandwidth.max_bytes=16777216",
@@ -268,6 +265,22 @@ def bench_planner() -> list[Row]:
         rows.append(Row(f"planner (calibrated on the 5 other points), {m.strategy} world {m.devices}: step time "
                         "measured vs predicted", m.measured_step_s * 1e3,
                         calibration.step_s(m.strategy, m.predicted) * 1e3, "ms", "within 15 %"))
+    return rows
+
+
+def bench_memory_ruler() -> list[Row]:
+    """8. The memory ruler's per-rank peak vs the highest rank's measured one (live tensor storages,
+    training/budget.py), for ddp, zero1, zero2, zero3, hsdp, tp and pp at world 2 and 4."""
+    from tests.dist.test_memory_budget import LAYOUTS, predicted_and_measured
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in (2, 4):
+            layouts = dict(LAYOUTS, **({"hsdp": dict(name="hybrid", dp_replicate=2, dp_shard=2)} if world == 4 else {}))
+            for name, fields in layouts.items():
+                predicted, measured = predicted_and_measured(StrategyConfig(**fields), world, Path(tmp))
+                rows.append(Row(f"memory ruler, {name} world {world}: predicted vs measured peak (highest rank)",
+                                predicted / MIB, measured / MIB, "MiB", "within 10 %"))
     return rows
 
 
@@ -343,7 +356,7 @@ ADVISOR_REPEATS = 3
 
 
 BENCHES = [bench_train_loop, bench_tracking, bench_probe, bench_cache, bench_startup, bench_launchers, bench_planner,
-           bench_published, bench_advisor]
+           bench_memory_ruler, bench_published, bench_advisor]
 
 
 def machine() -> str:
@@ -357,8 +370,11 @@ def machine() -> str:
 
 
 def main() -> int:
+    """Every bench, into RESULTS.md; or only the ones named (`python benchmarks/run.py
+    bench_memory_ruler`), printed, RESULTS.md left as it is."""
+    chosen = [b for b in BENCHES if b.__name__ in sys.argv[1:]]
     rows, failures = [], []
-    for bench in BENCHES:
+    for bench in chosen or BENCHES:
         print(f"== {bench.__doc__.splitlines()[0]}", flush=True)
         try:
             for row in bench():
@@ -368,6 +384,9 @@ def main() -> int:
         except Exception:  # noqa: BLE001 - report every failed comparison, then fail
             failures.append(bench.__name__)
             traceback.print_exc()
+    if chosen:
+        print("\n".join(row.line() for row in rows))
+        return 1 if failures else 0
     text = [f"# Benchmark results\n\nMachine: {machine()}\n",
             "Each ratio is ours / reference, measured side by side in one run (median of repeats).\n",
             "| comparison | ours | reference | ratio | goal |", "|---|---:|---:|---:|---|"]
