@@ -39,6 +39,10 @@ class BandwidthResult:
     """None when all_reduce was not measured."""
     skipped_reason: str | None
     """Why nothing was measured; None when the probe ran."""
+    free_device_bytes: int | None = None
+    """CUDA: the least device memory free on any rank after the probe, with its CUDA context and
+    communicator buffers (NCCL's) held and the allocator's cache emptied: what a stage on these
+    workers can have (the plan's memory ruler takes its fraction of it). None on CPU."""
 
     def metrics(self) -> list[tuple[str, float, int]]:
         """MLflow (key, value, step): each measurement at step = its bytes, and each collective's
@@ -110,6 +114,20 @@ def run(cfg: BandwidthInputs) -> BandwidthResult:
     return _result(bw, world, probe(bw.collectives, sizes, bw.warmup_iters, bw.iters, report), None)
 
 
+def free_device_bytes() -> int | None:
+    """The least free memory of any rank's CUDA device now (collective); None without CUDA."""
+    import torch
+
+    from training.dist import gather_objects
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free = [f for f in gather_objects(torch.cuda.mem_get_info()[0]) if f is not None]
+    return min(free) if free else None
+
+
 def _result(bw: BandwidthConfig, world: int, results: list[Measurement], skipped: str | None) -> BandwidthResult:
     top = largest(results, VERDICT_COLLECTIVE)
     busbw = top.busbw_gbps if top is not None else None
@@ -121,4 +139,5 @@ def _result(bw: BandwidthConfig, world: int, results: list[Measurement], skipped
         ruler_gbps=bw.ruler_gbps,
         largest_all_reduce_busbw_gbps=busbw,
         skipped_reason=skipped,
+        free_device_bytes=free_device_bytes(),
     )

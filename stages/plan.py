@@ -269,6 +269,7 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult, anatomy: Anatomy) -> Ru
     overheads = measure_overheads(model, cfg.model, bench.loss, batch, list(cfg.plan.strategies or pure()), dev, clip,
                                   step_strategy(cfg))
     device_bytes = (budget_bytes(cfg) or cfg.plan.device_memory_bytes
+                    or usable_device_bytes(bandwidth, memory.reserve_ratio)
                     or device_memory_bytes(dev, cfg.procs_per_node))
     if blocks is None:
         anatomy = dataclasses.replace(anatomy, activation_bytes_per_sample=memory.activation_bytes / micro)
@@ -295,6 +296,15 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult, anatomy: Anatomy) -> Ru
         memory_audit=audit,
         sliced_blocks=blocks,
     )
+
+
+def usable_device_bytes(bandwidth: BandwidthResult, reserve_ratio: float) -> int | None:
+    """CUDA: the memory the workers found free (context and NCCL buffers held), in the bytes the
+    predictions count: allocated ones, of which the caching allocator reserves `reserve_ratio`
+    times as many (measured on this plan's step). None elsewhere."""
+    if bandwidth.free_device_bytes is None:
+        return None
+    return int(bandwidth.free_device_bytes / max(reserve_ratio, 1.0))
 
 
 def budget_bytes(cfg: PlanInputs) -> float | None:

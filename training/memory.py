@@ -28,6 +28,9 @@ class StepMemory:
     peak_bytes: int
     source: str
     """`cuda_allocator` or `tensor_count`."""
+    reserve_ratio: float = 1.0
+    """CUDA: the caching allocator's peak reserved over its peak allocated bytes for the step (its
+    fragmentation and rounding); 1 where tensors are counted."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -136,7 +139,9 @@ class StepProbe:
         activations = self.saved.bytes
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)
-            return StepMemory(params, grads, optim, activations, torch.cuda.max_memory_allocated(self.dev), "cuda_allocator")
+            allocated = torch.cuda.max_memory_allocated(self.dev)
+            ratio = torch.cuda.max_memory_reserved(self.dev) / allocated if allocated else 1.0
+            return StepMemory(params, grads, optim, activations, allocated, "cuda_allocator", ratio)
         return StepMemory(params, grads, optim, activations, params + grads + optim + activations, "tensor_count")
 
 
