@@ -184,6 +184,15 @@ def _fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mas
 
 
 _MATH_SDPA = F.scaled_dot_product_attention
+_DROPOUT = F.dropout
+
+
+def _fused_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """Dropout as CUDA's fused kernel runs it: it saves a 1-byte mask (CPU's path, which the meta
+    device follows, keeps a mask in the input's dtype)."""
+    if not input.is_meta or not training or p == 0.0:
+        return _DROPOUT(input, p, training, inplace)
+    return torch.ops.aten.native_dropout(input, p, True)[0]
 
 
 @contextlib.contextmanager
@@ -194,14 +203,17 @@ def fused_attention_on_meta() -> Iterator[None]:
     attention matrix for backward; the fused kernels GPUs train with save only the output and its
     log-sum-exp. CPU's own flash kernel has a meta implementation, so calls without a mask go
     through it (grouped-query heads repeated first, as the fused kernels do): what a GPU saves is
-    what is counted (measured: the same bytes as the CPU's default kernel on real tensors). The
-    function itself is swapped, not intercepted by a mode, because activation checkpointing
-    recomputes inside the autograd engine, where modes do not reach."""
+    what is counted (measured: the same bytes as the CPU's default kernel on real tensors). Dropout
+    likewise saves CUDA's 1-byte mask. The functions themselves are swapped, not intercepted by a
+    mode, because activation checkpointing recomputes inside the autograd engine, where modes do
+    not reach."""
     F.scaled_dot_product_attention = _fused_attention
+    F.dropout = _fused_dropout
     try:
         yield
     finally:
         F.scaled_dot_product_attention = _MATH_SDPA
+        F.dropout = _DROPOUT
 
 
 @dataclass(frozen=True)

@@ -46,16 +46,19 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, ffn_hidden: int):
+    def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, dropout: float = 0.0):
         super().__init__()
         self.attention_norm = nn.LayerNorm(d_model)
         self.attention = Attention(d_model, n_heads)
         self.ffn_norm = nn.LayerNorm(d_model)
         self.feed_forward = FeedForward(d_model, ffn_hidden)
+        # Megatron's hidden dropout after each sublayer (off by default: ranks draw different
+        # masks, so a run with it is not bitwise one process's).
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x))
-        return x + self.feed_forward(self.ffn_norm(x))
+        x = x + self.dropout(self.attention(self.attention_norm(x)))
+        return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -81,11 +84,13 @@ class GPT(nn.Module):
         "layers.*.feed_forward.w2": "rowwise",
     }
 
-    def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int, ffn_mult: int):
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int, ffn_mult: int,
+                 dropout: float = 0.0):
         super().__init__()
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(vocab_size, d_model)
         self.pos_embeddings: nn.Embedding | None = nn.Embedding(seq_len, d_model)
-        self.layers = nn.ModuleDict({str(i): Block(d_model, n_heads, ffn_mult * d_model) for i in range(n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(d_model, n_heads, ffn_mult * d_model, dropout)
+                                     for i in range(n_layers)})
         self.norm: nn.LayerNorm | None = nn.LayerNorm(d_model)
         self.output: nn.Linear | None = nn.Linear(d_model, vocab_size, bias=False)
         self.apply(_init_weights)
@@ -103,8 +108,8 @@ class GPT(nn.Module):
 
 
 def build(vocab_size: int = 256, seq_len: int = 64, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
-          ffn_mult: int = 4) -> GPT:
+          ffn_mult: int = 4, dropout: float = 0.0) -> GPT:
     """The factory `model=gpt-*` names (`_target_: training.models.gpt.build`)."""
     if d_model % n_heads:
         raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
-    return GPT(vocab_size, seq_len, d_model, n_layers, n_heads, ffn_mult)
+    return GPT(vocab_size, seq_len, d_model, n_layers, n_heads, ffn_mult, dropout)

@@ -71,9 +71,13 @@ def build_on_device(cfg: ModelConfig, seed: int, dev: torch.device) -> tuple[nn.
     from training.models import build_model
     from training.models.spec import Pending, model_spec
 
-    with parameters_on_meta():
-        model = build_model(cfg, seed)
-    init = declared_init(model)
+    # Loaded weights (model.pretrained) are the model's values, not an initialisation to redo per
+    # shard: such a model is built whole, as loaded (shard-by-shard loading is not built yet).
+    init = UNDECLARED
+    if not cfg.kwargs.get("pretrained"):
+        with parameters_on_meta():
+            model = build_model(cfg, seed)
+        init = declared_init(model)
     if init is UNDECLARED:
         model = build_model(cfg, seed).to(dev)
         return model, model_spec(model, cfg)
