@@ -40,3 +40,37 @@ def test_a_hugging_face_model_at_world_2_matches_one_process(compose_cfg, preset
     if strategy == "tp":
         # Its own plan split q/k/v/o and the MLP: each rank holds half of those weights.
         assert two.param_bytes < 0.8 * one.param_bytes
+
+
+def pretrained_llama(compose_cfg, directory) -> tuple[object, float]:
+    """A seeded tiny Llama saved as Hugging Face saves a checkpoint (config.json, model.safetensors),
+    and its loss on the first global batch the train stage will draw (8 samples, seed 0)."""
+    import torch
+
+    from training.data import GlobalBatches, build_dataset
+    from training.models import batch_loss, build_model, model_loss
+
+    cfg = compose_cfg("model=hf-llama", "data.num_samples=256", "data.seq_len=16", "tracking=none")
+    torch.manual_seed(1234)
+    saved = build_model(cfg.model, seed=1234)
+    saved.save_pretrained(directory)
+    dataset = build_dataset(cfg.data)
+    rows = GlobalBatches(len(dataset), 8, 1, 0, 1, 0).rows(0, 0)
+    batch = torch.utils.data.default_collate([dataset[int(i)] for i in rows])
+    with torch.no_grad():
+        return cfg, batch_loss(saved, batch, model_loss(cfg.model)).item()
+
+
+def test_a_pretrained_checkpoint_is_read_shard_by_shard_and_trains_as_one_process(compose_cfg, tmp_path):
+    """model.pretrained: each rank reads only its shard of each tensor from the safetensors file
+    (zero3 at world 2); the first loss is the saved model's, and the run is one process's."""
+    cfg, saved_loss = pretrained_llama(compose_cfg, tmp_path / "ckpt")
+    model = dataclasses.replace(cfg.model, kwargs={**cfg.model.kwargs, "pretrained": str(tmp_path / "ckpt")})
+    train = TrainConfig(steps=4, global_batch=8, lr=1e-2, log_every=2, timing_warmup=1, warmup_steps=1,
+                        schedule="constant", grad_clip=0.5)
+    runs = {}
+    for name, world in (("ddp", 1), ("zero3", 2)):
+        inputs = TrainInputs(train, model, cfg.data, StrategyConfig(name=name), seed=0)
+        runs[name] = run_world("tests.dist.workers:train_any", (inputs, tempfile.mkdtemp()), world=world, timeout_s=120)
+    assert runs["ddp"].losses[0] == pytest.approx(saved_loss, rel=1e-5), "the checkpoint's weights, not an init"
+    assert runs["zero3"].losses == pytest.approx(runs["ddp"].losses, **TOL)

@@ -44,3 +44,17 @@ def test_a_model_that_declares_nothing_is_built_whole_on_the_host():
     mlp = ModelConfig(name="seq", target="torch.nn.Sequential")
     model, spec = build_on_device(mlp, 0, CPU)
     assert declared_init(model) is UNDECLARED and spec.pending is None
+
+
+def test_a_checkpoint_tensor_is_read_block_by_block(tmp_path):
+    from safetensors.torch import save_file
+
+    from training.models.weights import Weights
+
+    full = torch.arange(24.0).reshape(6, 4)
+    save_file({"w": full, "b": torch.ones(4)}, str(tmp_path / "model.safetensors"))
+    weights = Weights(tmp_path)
+    assert "w" in weights and "missing" not in weights
+    assert torch.equal(weights.read("w", (3, 0), (3, 4)), full[3:6])  # a dp_shard rank's Shard(0)
+    assert torch.equal(weights.read("w", (0, 2), (6, 2)), full[:, 2:4])  # a TP rank's Shard(1)
+    assert torch.equal(weights.read("b", (0,), (4,)), torch.ones(4))

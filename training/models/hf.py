@@ -21,8 +21,10 @@ def _class(path: str) -> type:
 
 
 def causal_lm(model_class: str, config_class: str, pretrained: str | None = None, **config: Any) -> nn.Module:
-    """`model_class(config_class(**config))`, or, with `pretrained` (a local directory holding
-    config.json and weights), `model_class.from_pretrained(pretrained, **config)`."""
+    """`model_class(config_class(**config))`; with `pretrained` (a local directory holding
+    config.json and safetensors weights), the architecture of its config (`**config` overriding
+    it), its weights named for the materialization to read, each rank its own shard
+    (training/parallel/materialize.py): nobody loads the whole checkpoint."""
     model_type, config_type = _class(model_class), _class(config_class)
     # Config classes take any keyword silently; a misspelt field would be a model that ignores it.
     known = set(config_type().to_dict())
@@ -30,5 +32,7 @@ def causal_lm(model_class: str, config_class: str, pretrained: str | None = None
     if unknown:
         raise TypeError(f"{config_type.__name__} has no field {unknown[0]!r}")
     if pretrained is not None:
-        return model_type.from_pretrained(pretrained, **config)
+        model = model_type(config_type.from_pretrained(pretrained, **config))
+        model.weights_dir = str(pretrained)
+        return model
     return model_type(config_type(**config))

@@ -190,6 +190,8 @@ class Pending:
     init: Callable[[nn.Module], None] | None
     """The model's per-module initialiser (None: torch's reset_parameters)."""
     seed: int
+    weights_dir: str | None = None
+    """A checkpoint to read the values from (shard by shard), where the model names one."""
 
 
 @dataclass

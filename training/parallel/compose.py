@@ -22,6 +22,7 @@ from training.config import StrategyConfig
 from training.dist import is_dist, rank, world_size
 from training.models import Batch, LossFn, forward
 from training.models.spec import ModelSpec
+from training.models.weights import Weights
 from training.parallel.ac import apply_ac
 from training.parallel.ddp import BucketTimer, apply_ddp, time_buckets
 from training.parallel.dims import ParallelDims, resolve_dims  # noqa: F401 - re-exported
@@ -114,7 +115,9 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
         dp_group = dp_mesh.get_group()
     if spec.pending is not None and not layout_only:
         # Sharded on the meta device: now each rank allocates and initialises its shard alone.
-        materialize(model, spec.pending.names, spec.pending.init, dev, spec.pending.seed)
+        pending = spec.pending
+        weights = Weights(pending.weights_dir) if pending.weights_dir else None
+        materialize(model, pending.names, pending.init, dev, pending.seed, weights)
         spec.pending = None
     if dtype is torch.bfloat16 and not use.fsdp:
         # FSDP's numerics without FSDP: bf16 parameters, the fp32 ones kept as the optimizer's masters.

@@ -29,8 +29,13 @@ from torch import nn
 
 from training.config import ModelConfig
 from training.models.spec import ModelSpec
+from training.models.weights import Weights
 
 InitFn = Callable[[nn.Module], None]
+
+WEIGHTS_DIR = "weights_dir"
+"""The attribute by which a model built from a checkpoint's config names the checkpoint's directory:
+its tensors are read there, each rank its shard, when the model is materialized."""
 
 UNDECLARED = object()
 """The model says nothing of its initialisation: it is built on the host."""
@@ -71,18 +76,17 @@ def build_on_device(cfg: ModelConfig, seed: int, dev: torch.device) -> tuple[nn.
     from training.models import build_model
     from training.models.spec import Pending, model_spec
 
-    # Loaded weights (model.pretrained) are the model's values, not an initialisation to redo per
-    # shard: such a model is built whole, as loaded (shard-by-shard loading is not built yet).
-    init = UNDECLARED
-    if not cfg.kwargs.get("pretrained"):
-        with parameters_on_meta():
-            model = build_model(cfg, seed)
-        init = declared_init(model)
+    with parameters_on_meta():
+        model = build_model(cfg, seed)
+    init = declared_init(model)
     if init is UNDECLARED:
         model = build_model(cfg, seed).to(dev)
         return model, model_spec(model, cfg)
     spec = model_spec(model, cfg)
-    spec.pending = Pending({m: n for n, m in model.named_modules()}, init, seed)
+    # A checkpoint (a factory's `weights_dir`, as training.models.hf sets for model.pretrained) gives
+    # the values; what it lacks is initialised.
+    weights_dir = getattr(model, WEIGHTS_DIR, None)
+    spec.pending = Pending({m: n for n, m in model.named_modules()}, init, seed, weights_dir)
     return model, spec
 
 
@@ -92,18 +96,29 @@ def module_seed(seed: int, name: str) -> int:
 
 
 def materialize(model: nn.Module, names: dict[nn.Module, str], init: InitFn | None, dev: torch.device,
-                seed: int) -> None:
-    """Allocate `model`'s (sharded) meta parameters on `dev` and initialise them; buffers move
-    to `dev` as they are. `names` holds each module's name in the model as built."""
+                seed: int, weights: Weights | None = None) -> None:
+    """Allocate `model`'s (sharded) meta parameters on `dev` and give each its values: this rank's
+    slice of the tensor of its name in `weights` (a checkpoint, read shard by shard), else the
+    model's initialisation. Buffers move to `dev` as they are. `names` holds each module's name in
+    the model as built. A parameter two modules share (tied embeddings) gets its values once."""
     buffers = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
     model.to_empty(device=dev)
+    done: set[int] = set()
     with torch.no_grad():
         for module, name, buffer in buffers:
             module._buffers[name] = buffer.to(dev)
         for module in model.modules():
-            own = {n: p for n, p in module._parameters.items() if p is not None}
+            prefix = names.get(module, "")
+            own = {n: p for n, p in module._parameters.items() if p is not None and id(p) not in done}
+            if weights is not None:
+                for n, p in list(own.items()):
+                    key = f"{prefix}.{n}" if prefix else n
+                    if key in weights:
+                        _local(p).copy_(_read_shard(weights, key, p))
+                        del own[n]
             if own:
-                _initialise(module, own, init, module_seed(seed, names.get(module, "")))
+                _initialise(module, own, init, module_seed(seed, prefix))
+            done.update(id(p) for p in module._parameters.values() if p is not None)
 
 
 def _initialise(module: nn.Module, own: dict[str, nn.Parameter], init: InitFn | None, seed: int) -> None:
@@ -120,6 +135,16 @@ def _initialise(module: nn.Module, own: dict[str, nn.Parameter], init: InitFn | 
             init(twin)
     for n, p in own.items():
         _local(p).copy_(_shard(twin._parameters[n].detach(), p))
+
+
+def _read_shard(weights: Weights, key: str, like: torch.Tensor) -> torch.Tensor:
+    """The block of checkpoint tensor `key` that this rank's shard of `like` holds: read alone."""
+    if not hasattr(like, "device_mesh"):
+        return weights.read(key, (0,) * like.dim(), tuple(like.shape))
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offsets = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    return weights.read(key, tuple(offsets), tuple(shape))
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
