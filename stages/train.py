@@ -222,9 +222,11 @@ class TrainResult:
 
     def headline(self) -> str:
         mfu = f", MFU {self.mfu_pct:.1f} %" if self.mfu_pct is not None else ""
+        base = (f" against zero3 x{self.baseline_world_size} (the smallest world that holds the model)"
+                if 1 < self.baseline_world_size < self.world_size else "")
         return (
             f"{self.strategy} x{self.world_size}: loss {self.losses[0]:.3f} -> {self.final_loss:.3f}, "
-            f"{self.samples_per_s:.1f} samples/s, efficiency {self.scaling_efficiency:.2f}{mfu}"
+            f"{self.samples_per_s:.1f} samples/s, efficiency {self.scaling_efficiency:.2f}{base}{mfu}"
         )
 
 

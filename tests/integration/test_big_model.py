@@ -70,6 +70,8 @@ def test_every_stage_of_a_model_larger_than_one_device_runs_sharded_within_the_b
     assert any(f"timed a slice of its first {plan.rulers.sliced_blocks} of 8 blocks" in r for r in plan.reasons)
     train = result.stages["train"].result
     assert train.world_size == 4 and train.baseline_world_size == 2
+    assert "against zero3 x2 (the smallest world that holds the model)" in train.headline()
+    assert f"(timed on a slice of {plan.rulers.sliced_blocks} of 8 blocks" in plan.headline()
     assert train.scaling_efficiency == pytest.approx((train.samples_per_s / 4) / (train.baseline_samples_per_s / 2))
     # The memory ruler held against the highest rank's tracked peak.
     assert abs(train.prediction.memory_error_pct) < 10
