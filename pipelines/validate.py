@@ -53,6 +53,19 @@ def resolve(cfg: Config, gpus_per_node: int | None = None, uses_model: bool = Tr
     return cfg
 
 
+def _stages_to_run(cfg: Config) -> set[str]:
+    """The stages `only` asks for and everything upstream of them (all, without `only`)."""
+    stages = cfg.pipeline.stages
+    todo, seen = list(cfg.only or stages), set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in stages:
+            continue
+        seen.add(name)
+        todo += [*stages[name].needs, *stages[name].after]
+    return seen
+
+
 def _check_memory(cfg: Config, dims: ParallelDims) -> None:
     """The memory ruler before any rank starts: under a per-rank budget (cluster.device_memory_gib
     on a measured cluster) a layout whose predicted peak exceeds it is refused, with the layout
@@ -61,6 +74,8 @@ def _check_memory(cfg: Config, dims: ParallelDims) -> None:
     s = cfg.strategy
     if not cfg.cluster.measured or budget_gib is None or s.name == "auto" or cfg.dry_run:
         return
+    if not {"train", "trials"} & _stages_to_run(cfg):
+        return  # the layout is not trained: the stages asked for size themselves (their `fits`)
     from training.fit import SHARDED, counted, rank_memory, smallest_world
     from training.strategies import flavour_of
     from training.units import GIB
