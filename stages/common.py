@@ -30,17 +30,20 @@ class Workbench:
     dev: torch.device
 
 
-def workbench(model: ModelConfig, data: DataConfig, seed: int) -> Workbench:
+def workbench(model: ModelConfig, data: DataConfig, seed: int, tf32: bool = True) -> Workbench:
     """The seeded model for this rank's device, what it declares, its loss and the data set. A
     model that declares its initialisation comes on the meta device (spec.pending): `parallelize`
-    shards it, then gives this rank its shard; nothing holds the whole model."""
+    shards it, then gives this rank its shard; nothing holds the whole model. On CUDA, fp32
+    matmuls use TF32 unless `tf32` (train.tf32) is false."""
     from training.budget import host_side
     from training.data import build_dataset
     from training.dist import device
+    from training.flops import set_tf32
     from training.models import model_loss
     from training.parallel.materialize import build_on_device
 
     dev = device()
+    set_tf32(dev, tf32)
     net, spec = build_on_device(model, seed, dev)
     with host_side():  # the data set lives in host memory, as on a GPU machine; batches go to the device
         dataset = build_dataset(data)

@@ -250,7 +250,7 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult, anatomy: Anatomy) -> Ru
 
     micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
     blocks = sliced_to(cfg, micro)
-    bench = workbench(cfg.model, cfg.data, cfg.seed)
+    bench = workbench(cfg.model, cfg.data, cfg.seed, cfg.train.tf32)
     if blocks is not None:
         bench.spec.keep_first_blocks(blocks)
     model, dev = bench.model, bench.dev
@@ -368,7 +368,7 @@ def _sliced_step_s(cfg: PlanInputs, blocks: int, micro: int) -> float:
     from training.parallel.compose import build_optimizer, parallelize
     from training.step import optimizer_step
 
-    bench = workbench(cfg.model, cfg.data, cfg.seed)
+    bench = workbench(cfg.model, cfg.data, cfg.seed, cfg.train.tf32)
     bench.spec.keep_first_blocks(blocks)
     batch = to_device(first_samples(bench.dataset, micro), bench.dev)
     parallel = parallelize(bench.model, bench.spec, step_strategy(cfg), bench.dev, bench.loss)

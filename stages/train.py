@@ -170,6 +170,9 @@ class TrainResult:
     baseline_world_size: int = 1
     """Ranks of the baseline it is measured against: 1, or the smallest world that holds the
     model (zero3), for a model larger than one device."""
+    mfu_peak_precision: str | None = None
+    """The datasheet peak MFU divides by: `bf16`, `fp16`, or for fp32 `tf32` (train.tf32 on CUDA)
+    or `fp32`; None without MFU or when train.peak_flops sets the peak."""
 
     def metrics(self) -> list[tuple[str, float, int]]:
         out = [("train/loss", loss, step) for step, loss in enumerate(self.losses, 1)]
@@ -288,7 +291,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     from training import checkpoint
     from training.budget import stage_peak_bytes
     from training.data import GlobalBatches, first_samples, loader
-    from training.flops import peak_flops
+    from training.flops import peak_column, peak_flops
     from training.loop import lr_lambda, train_loop
     from training.models import tokens_per_sample
     from training.parallel.compose import build_optimizer, parallelize
@@ -296,7 +299,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     t = cfg.train
     sharded_baseline = baseline is None and cfg.world_size is not None and 1 < world_size() < cfg.world_size
     strategy, t, chosen = resolve_strategy(cfg.strategy, cfg.train, plan, trials, world_size(), sharded_baseline)
-    bench = workbench(cfg.model, cfg.data, cfg.seed)
+    bench = workbench(cfg.model, cfg.data, cfg.seed, t.tf32)
     tokens = tokens_per_sample(first_samples(bench.dataset, 1))
     parallel = parallelize(bench.model, bench.spec, strategy, bench.dev, bench.loss)
     dims = parallel.dims
@@ -335,7 +338,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     samples_per_s = stats.timed_steps * batches.global_batch / stats.timed_seconds
     base = baseline.samples_per_s if baseline is not None else samples_per_s
     base_world = baseline.world_size if baseline is not None else world_size()
-    peak = peak_flops(bench.dev, t.peak_flops)
+    peak = peak_flops(bench.dev, strategy.precision, t.peak_flops, t.tf32)
     per_device = samples_per_s / world
     memory = stats.memory
     # The median step: one stray slow step (another process, a page fault) doesn't move it;
@@ -382,6 +385,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
         memory_source=memory.source,
         flops_per_sample=plan.flops_per_sample,
         mfu_pct=100 * plan.flops_per_sample * per_device / peak if peak else None,
+        mfu_peak_precision=peak_column(strategy.precision, t.tf32) if peak and t.peak_flops is None else None,
         device=str(bench.dev),
         bucket_allreduce_ms=parallel.bucket_timer.ms if parallel.bucket_timer is not None else [],
         time_split=profiler.split if profiler is not None else [],

@@ -150,7 +150,7 @@ def _measure(cfg: TrialsInputs, candidate: Candidate, lr_find: LrFindResult, wor
 
     strategy, train = candidate_settings(candidate, cfg.strategy, cfg.train, world)
     train = dataclasses.replace(train, steps=cfg.plan.trial_steps, timing_warmup=UNTIMED, log_every=cfg.plan.trial_steps)
-    bench = workbench(cfg.model, cfg.data, cfg.seed)
+    bench = workbench(cfg.model, cfg.data, cfg.seed, train.tf32)
     parallel = parallelize(bench.model, bench.spec, strategy, bench.dev, bench.loss)
     dims = parallel.dims
     batches = GlobalBatches(len(bench.dataset), train.micro_batch_for(dims.dp_size), train.grad_accum,

@@ -220,11 +220,15 @@ class TrainConfig:
     """Save a distributed checkpoint every this many steps (0: never); a re-run after a crash
     resumes from the last one."""
     peak_flops: float | None = None
-    """Peak FLOP/s of one device for MFU; null uses the known datasheet value for the GPU, or
-    reports no MFU (CPUs have no reliable peak)."""
+    """Peak FLOP/s of one device for MFU; null uses the GPU's dense datasheet peak in the run's
+    precision (training/flops.py), or reports no MFU (CPUs and unlisted GPUs)."""
+    tf32: bool = True
+    """On CUDA, fp32 matmuls and convolutions use TF32 tensor cores (an fp32 run's MFU is then
+    against the TF32 peak); false holds them to full fp32."""
     system_metrics_s: float = 10.0
-    """Seconds between per-node system metric samples (CPU, memory, GPU memory) during the run,
-    logged as MLflow's system/<node id>/... metrics; 0 disables."""
+    """Seconds between per-node system metric samples (CPU, memory, and through NVML each GPU's
+    utilisation, memory and power) during the run, logged as MLflow's system/<node id>/... metrics;
+    0 disables."""
 
     def __post_init__(self) -> None:
         _at_least("system_metrics_s", self.system_metrics_s, 0, "a number")
