@@ -58,6 +58,13 @@ def app(dcfg: DictConfig) -> None:
             print(submit_pipeline(cfg, output_dir, overrides))
             EXIT_CODES.append(0)
             return
+        if isinstance(cfg.launcher, SlurmLauncherConfig) and cfg.launcher.dry_run:
+            from pipelines.launchers.slurm import DRY_RUN_FILE, render_dry_run
+
+            print(render_dry_run(cfg, output_dir), end="")
+            print(f"launcher.dry_run: nothing submitted; the script is {output_dir / 'slurm' / DRY_RUN_FILE}")
+            EXIT_CODES.append(0)
+            return
         summary = run_pipeline(cfg, output_dir)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -36,6 +36,8 @@ from typing import Any
 
 NVIDIA_PROC = Path("/proc/driver/nvidia")
 INFINIBAND_SYS = Path("/sys/class/infiniband")
+HIDDEN = ("-1", "NoDevFiles")
+"""CUDA_VISIBLE_DEVICES values that hide every device (Slurm writes NoDevFiles)."""
 NAME_FIELDS = ("name", "hostname")
 """The fields that tell nodes apart; without them an identity describes a kind of node."""
 
@@ -55,10 +57,33 @@ class NodeIdentity:
     cuda: str | None
     """The CUDA version torch was built for (None: a CPU build)."""
     gpus: list[str] = field(default_factory=list)
-    """`<model> <bus id>` of every GPU the node shows (CUDA_VISIBLE_DEVICES applied)."""
+    """`<model> <bus id>` of every GPU the node has (the driver's list: the node's hardware)."""
     driver: str | None = None
     interconnect: list[str] = field(default_factory=list)
     """InfiniBand ports: `<device>/<port> <state> <rate>`."""
+    visible_devices: str | None = None
+    """CUDA_VISIBLE_DEVICES of the rank that reported, as given (None: unset, every GPU). Its
+    indices are not mapped onto `gpus`: Slurm and container runtimes renumber the devices a task
+    may use, so which GPU a rank holds is read by the rank itself (env: each rank's bus id)."""
+
+    @property
+    def usable_gpus(self) -> int:
+        """GPUs the node's ranks may use: every GPU, or as many as CUDA_VISIBLE_DEVICES names."""
+        if not self.cuda:
+            return 0
+        if self.visible_devices is None:
+            return len(self.gpus)
+        named = [v for v in self.visible_devices.split(",") if v.strip() and v.strip() not in HIDDEN]
+        return min(len(named), len(self.gpus)) if self.gpus else 0
+
+    def describe_gpus(self) -> str:
+        """E.g. `8 GPUs, CUDA_VISIBLE_DEVICES=0`, `no NVIDIA driver`, `torch built without CUDA`."""
+        if not self.gpus:
+            return "no NVIDIA GPU or driver"
+        if not self.cuda:
+            return f"{len(self.gpus)} GPUs, but torch {self.torch} is built without CUDA"
+        shown = "" if self.visible_devices is None else f", CUDA_VISIBLE_DEVICES={self.visible_devices!r}"
+        return f"{len(self.gpus)} GPUs{shown}"
 
     def hardware(self) -> dict[str, Any]:
         """The identity without the node's names: what kind of node it is."""
@@ -132,15 +157,16 @@ def node_identity(name: str | None = None) -> NodeIdentity:
         gpus=_gpus(),
         driver=_driver_version(),
         interconnect=_infiniband_ports(),
+        visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
 
 
 def resolved_backend(backend: str, node: NodeIdentity) -> str:
-    """launcher.backend with `auto` resolved as the workers resolve it: nccl where torch has CUDA
-    and the node shows GPUs, else gloo."""
+    """launcher.backend with `auto` resolved once for every rank: nccl where torch has CUDA and the
+    node's ranks may use GPUs, else gloo."""
     if backend != "auto":
         return backend
-    return "nccl" if node.cuda and node.gpus else "gloo"
+    return "nccl" if node.usable_gpus else "gloo"
 
 
 def probe(_inputs: object = None) -> list[NodeIdentity]:
@@ -221,19 +247,12 @@ def torch_cuda_build() -> str | None:
 
 
 def _gpus() -> list[str]:
+    """Every GPU of the node, in the driver's (bus) order."""
     gpus = []
     for info in sorted((NVIDIA_PROC / "gpus").glob("*/information")):
         text = _read(info) or ""
         model = re.search(r"^Model:\s*(.+)$", text, re.MULTILINE)
         gpus.append(f"{model.group(1).strip() if model else 'unknown'} {info.parent.name}")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and gpus:
-        # Indices select among the devices in bus order (CUDA's PCI_BUS_ID order); UUIDs can't
-        # be matched without the driver, so they are kept as given.
-        keep = [v.strip() for v in visible.split(",") if v.strip()]
-        if all(v.isdigit() for v in keep):
-            return [gpus[int(v)] for v in keep if int(v) < len(gpus)]
-        return [f"visible {v}" for v in keep]
     return gpus
 
 

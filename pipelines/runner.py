@@ -36,7 +36,8 @@ from pipelines.tracking import (
     git_commit,
     make_tracker,
 )
-from pipelines.validate import keep_contract_facts
+from pipelines.validate import check_placement, keep_contract_facts
+from training.config import ConfigError
 from training.files import write_atomic
 from training.units import GIB
 
@@ -181,6 +182,10 @@ class Runner:
         stage's key, re-runs what was measured on the old fleet."""
         if self.placement is None:
             placement = self.launcher.placement(self.world)
+            try:
+                check_placement(self.cfg, placement)
+            except ConfigError as err:  # what the workers reported cannot run this config
+                raise StageFailed(str(err)) from None
             scope = f"{placement.launcher}-{self.world.nodes}x{self.world.procs_per_node}"
             last = self.cache.last_placement(scope)
             if last is not None and last.get("fingerprint") != placement.fingerprint:
@@ -294,6 +299,8 @@ class Runner:
             artifacts=staging / "artifacts" if stage.wants_artifacts else None,
             workdir=self.run_dir / "logs" / name,
             memory_budget_gib=budget,
+            timeout_s=self.cfg.launcher.timeout_for(name),
+            checkpoint_timeout_s=self.cfg.launcher.checkpoint_timeout_s,
         )
         clear_peak_memory(task.workdir)
         start = time.perf_counter()

@@ -101,6 +101,11 @@ class LauncherConfig(Tagged):
     """Collective timeout: a rank that waits longer on a peer fails instead of hanging."""
     grace_s: float = 10.0
     """After one rank fails, how long the others get to exit on their own before being killed."""
+    stage_timeout_s: dict[str, float] = field(default_factory=dict)
+    """A stage's own collective timeout, by stage name (e.g. {train: 600}); the others take timeout_s."""
+    checkpoint_timeout_s: float = 1800.0
+    """Collective timeout while a checkpoint is saved or loaded: writing a large model's shards to a
+    shared filesystem takes longer than any step's collective should."""
 
     @classmethod
     def schemas(cls) -> dict[str, type]:
@@ -119,6 +124,15 @@ class LauncherConfig(Tagged):
             raise ConfigError("timeout_s", self.timeout_s, "must be a number of seconds > 0")
         if self.grace_s < 0:
             raise ConfigError("grace_s", self.grace_s, "must be a number of seconds >= 0")
+        if self.checkpoint_timeout_s <= 0:
+            raise ConfigError("checkpoint_timeout_s", self.checkpoint_timeout_s, "must be a number of seconds > 0")
+        for stage, seconds in self.stage_timeout_s.items():
+            if not isinstance(seconds, int | float) or seconds <= 0:
+                raise ConfigError(f"stage_timeout_s.{stage}", seconds, "must be a number of seconds > 0")
+
+    def timeout_for(self, stage: str) -> float:
+        """The collective timeout of `stage`'s process group."""
+        return float(self.stage_timeout_s.get(stage, self.timeout_s))
 
 
 @dataclass(frozen=True)
@@ -134,7 +148,10 @@ class RayLauncherConfig(LauncherConfig):
     max_failures: int = 0
     """Worker-group restarts allowed; a restarted train resumes from its last checkpoint."""
     cpus_per_worker: float = 1.0
-    """CPUs reserved per worker (GPUs: one per worker when CUDA is available)."""
+    """CPUs reserved per worker."""
+    use_gpu: bool | None = None
+    """One GPU per worker. null: when the Ray cluster's resources list GPUs (read from the cluster
+    once joined, never from the driver's own devices: a CPU head or a ray:// client has none)."""
 
     def identity(self) -> list:
         return [self.name, self.address]
@@ -164,9 +181,22 @@ class SlurmLauncherConfig(LauncherConfig):
     constraint: str | None = None
     """Node features (-C)."""
     gpus_per_node: int | None = None
-    """GPUs per node; null requests none."""
-    cpus_per_task: int = 1
-    """CPUs per task (rank)."""
+    """GPUs per node (`--gpus-per-node`). null: one per task (procs_per_node) on a cluster whose
+    accelerator is cuda (`cluster=gpu`), none otherwise."""
+    gpu_bind: str | None = None
+    """`--gpu-bind` for the allocation and every step (e.g. `single:1`, `closest`); each task then
+    sees its own GPU(s) and selects index 0 of what it sees."""
+    cpus_per_task: int | None = None
+    """CPUs per task (rank). null: the partition's cores per node (sinfo) divided by the tasks per
+    node, so that each rank has its share for Python, the DataLoader and NCCL's proxy threads."""
+    container_image: str | None = None
+    """Run every step in this container (pyxis/enroot `--container-image`, e.g. nvcr.io#nvidia/pytorch:25.01-py3)."""
+    container_mounts: list[str] = field(default_factory=list)
+    """`src:dst` mounts for the container; the repository and the outputs directory must appear at
+    the same paths inside it (the driver's paths are passed to the steps)."""
+    dry_run: bool = False
+    """Write the allocation's job script, with each stage's srun line, to `<run dir>/slurm/
+    allocation.sbatch`, print it and stop: nothing is submitted."""
     mem_gb: float | None = None
     """Memory per node in GB; null leaves the partition's default."""
     timeout_min: int = 60
@@ -192,9 +222,13 @@ class SlurmLauncherConfig(LauncherConfig):
             raise ConfigError("max_requeues", self.max_requeues, "must be an integer >= 0")
         if self.poll_s <= 0:
             raise ConfigError("poll_s", self.poll_s, "must be a number > 0")
-        if self.cpus_per_task < 1 or self.timeout_min < 1:
-            key = "cpus_per_task" if self.cpus_per_task < 1 else "timeout_min"
-            raise ConfigError(key, getattr(self, key), "must be an integer >= 1")
+        if self.cpus_per_task is not None and self.cpus_per_task < 1:
+            raise ConfigError("cpus_per_task", self.cpus_per_task, "must be an integer >= 1, or null")
+        if self.timeout_min < 1:
+            raise ConfigError("timeout_min", self.timeout_min, "must be an integer >= 1")
+        for mount in self.container_mounts:
+            if ":" not in mount:
+                raise ConfigError("container_mounts", mount, "must be src:dst[:flags]")
         if self.gpus_per_node is not None and self.gpus_per_node < 0:
             raise ConfigError("gpus_per_node", self.gpus_per_node, "must be an integer >= 0, or null")
         for line in self.setup:  # they go into generated sbatch scripts: a secret would sit in clear on disk

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipelines.cache import code_version, digest, targets_code
 from pipelines.configtools import from_dict, to_jsonable
@@ -21,24 +22,24 @@ from training.contract import ContractFacts
 from training.files import write_atomic
 from training.parallel.dims import ParallelDims
 
-
-def visible_gpus() -> int:
-    """CUDA devices this process may use, read without importing torch (the driver of a cached
-    invocation never does): the NVIDIA driver's devices, when torch was built with CUDA."""
-    from pipelines.placement import node_identity
-
-    me = node_identity()
-    return len(me.gpus) if me.cuda else 0
+if TYPE_CHECKING:
+    from pipelines.placement import Placement
 
 
 def resolve(cfg: Config, gpus_per_node: int | None = None, uses_model: bool = True) -> Config:
-    """Fill in what defaults to the machine (procs_per_node) and check the cross-field rules.
-    `uses_model`: some stage builds the model (a pipeline that only reads MLflow does not)."""
-    gpus = visible_gpus() if gpus_per_node is None else gpus_per_node
-    # A what-if plan of a described cluster fills its nodes with that cluster's devices.
-    procs = cfg.procs_per_node or (cfg.cluster.devices_per_node if not cfg.cluster.measured else max(gpus, 1))
-    cfg = dataclasses.replace(cfg, procs_per_node=procs)
-    if cfg.cluster.measured:  # a what-if plan launches nothing: this machine's limits don't apply
+    """Fill in what defaults to the workers (procs_per_node, Slurm's GPUs per node) and check the
+    cross-field rules. `gpus_per_node`: the workers' GPUs per node when the caller knows them
+    (a what-if benchmark); else read from the launcher's resources (pipelines/launchers/resources.py),
+    never from the driver's own devices. `uses_model`: some stage builds the model (a pipeline that
+    only reads MLflow does not)."""
+    from pipelines.launchers.resources import gpus_per_node as launcher_gpus
+
+    gpus = launcher_gpus(cfg) if gpus_per_node is None else gpus_per_node
+    cfg = dataclasses.replace(cfg, procs_per_node=_procs_per_node(cfg, gpus))
+    if cfg.launcher.name == "slurm" and cfg.cluster.measured:
+        gpus = _slurm_gpus(cfg, gpus)
+        cfg = dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher, gpus_per_node=gpus))
+    if cfg.cluster.measured:  # a what-if plan launches nothing: the workers' limits don't apply
         _check_world(cfg, gpus)
     dims = _check_degrees(cfg, gpus)
     _check_stage_names(cfg)
@@ -51,6 +52,49 @@ def resolve(cfg: Config, gpus_per_node: int | None = None, uses_model: bool = Tr
         _check_batches(cfg, dims, facts)
         _check_memory(cfg, dims)
     return cfg
+
+
+def _procs_per_node(cfg: Config, gpus: int | None) -> int:
+    """procs_per_node, or its default: a described cluster's devices per node (a what-if plan), else
+    one rank per GPU of a worker node, else one rank per node."""
+    if cfg.procs_per_node:
+        return cfg.procs_per_node
+    if not cfg.cluster.measured:
+        return cfg.cluster.devices_per_node
+    if gpus is None and cfg.cluster.accelerator == "cuda":
+        raise ConfigError("procs_per_node", None, f"launcher={cfg.launcher.name} cannot say how many GPUs a worker "
+                          "node has before it runs: give procs_per_node (ranks per node, one per GPU)")
+    return max(gpus or 0, 1)
+
+
+def _slurm_gpus(cfg: Config, gpus: int | None) -> int:
+    """The GPUs per node the allocation asks for: launcher.gpus_per_node, else one per task on a
+    cuda cluster (cluster=gpu), else none."""
+    if gpus is not None:
+        return gpus
+    return cfg.procs_per_node if cfg.cluster.accelerator == "cuda" else 0
+
+
+def check_placement(cfg: Config, placement: Placement) -> None:
+    """The workers as they reported themselves (the placement probe, run before any stage): a run
+    that needs a GPU per rank (backend nccl, a cuda cluster, fp16) on a node that shows none, or
+    fewer than its ranks, is refused in one line before any stage runs, never run on the CPU."""
+    needs = ("launcher.backend", placement.backend) if placement.backend == "nccl" else \
+        ("cluster", cfg.cluster.name) if cfg.cluster.accelerator == "cuda" else \
+        ("strategy.precision", "fp16") if cfg.strategy.precision == "fp16" else None
+    if needs is None:
+        return
+    for node in placement.nodes:
+        usable = node.usable_gpus
+        if usable == 0:
+            raise ConfigError(*needs, f"needs a CUDA GPU for every rank, but node {node.name} of launcher="
+                              f"{placement.launcher} shows none to its ranks ({node.describe_gpus()}); "
+                              "ask the launcher for GPUs (launcher.gpus_per_node / launcher.use_gpu) or use "
+                              "cluster=cpu-local with backend gloo")
+        if 1 < usable < cfg.procs_per_node:  # one each (--gpu-bind) is env's check: distinct bus ids
+            raise ConfigError("procs_per_node", cfg.procs_per_node, f"node {node.name} of launcher="
+                              f"{placement.launcher} has {usable} GPU(s) for {cfg.procs_per_node} ranks: "
+                              "give each rank its own GPU")
 
 
 def _stages_to_run(cfg: Config) -> set[str]:
@@ -112,10 +156,19 @@ def _check_study_reading(cfg: Config) -> None:
         raise ConfigError("tracking", cfg.tracking.name, f"pipeline={cfg.pipeline.name} reads MLflow: use tracking=mlflow")
 
 
-def _check_world(cfg: Config, gpus: int) -> None:
+def _check_world(cfg: Config, gpus: int | None) -> None:
+    """What the workers' GPUs allow, where the launcher's resources say (None: the placement check)."""
     world = cfg.nodes * cfg.procs_per_node
+    where = "this machine shows" if cfg.launcher.name == "local" else f"launcher={cfg.launcher.name} asks for"
     if cfg.launcher.backend == "nccl" and gpus == 0:
-        raise ConfigError("launcher.backend", "nccl", "needs CUDA GPUs and none are visible; use auto or gloo")
+        raise ConfigError("launcher.backend", "nccl", f"needs a CUDA GPU per rank and {where} none; use auto or gloo"
+                          + ("" if cfg.launcher.name == "local" else ", or ask for GPUs (cluster=gpu)"))
+    if cfg.cluster.accelerator == "cuda" and gpus == 0:
+        raise ConfigError("cluster", cfg.cluster.name, f"computes on CUDA GPUs and {where} none; use cluster=cpu-local"
+                          + ("" if cfg.launcher.name == "local" else " or launcher.gpus_per_node=<GPUs per node>"))
+    if cfg.launcher.name == "slurm" and gpus and cfg.procs_per_node > gpus and cfg.launcher.gpu_bind is None:
+        raise ConfigError("procs_per_node", cfg.procs_per_node, f"ranks per node, but launcher.gpus_per_node={gpus}: "
+                          "give each rank its own GPU (procs_per_node <= gpus_per_node)")
     if cfg.launcher.name == "local" and gpus and world > gpus and not cfg.dry_run:
         raise ConfigError(
             "nodes",
@@ -161,7 +214,7 @@ def keep_contract_facts(cfg: Config) -> None:
         write_atomic(path, json.dumps(to_jsonable(_LEARNT[path])))
 
 
-def _check_degrees(cfg: Config, gpus: int) -> ParallelDims:
+def _check_degrees(cfg: Config, gpus: int | None) -> ParallelDims:
     s = cfg.strategy
     try:
         dims = ParallelDims.resolve(**s.degrees(), world_size=cfg.nodes * cfg.procs_per_node)
@@ -216,8 +269,8 @@ def _check_batches(cfg: Config, dims: ParallelDims, facts: ContractFacts) -> Non
 
 def _check_stage_names(cfg: Config) -> None:
     known = sorted(cfg.pipeline.stages)
-    for key in ("only", "force"):
-        for name in getattr(cfg, key):
+    for key, names in (("only", cfg.only), ("force", cfg.force), ("launcher.stage_timeout_s", cfg.launcher.stage_timeout_s)):
+        for name in names:
             if name not in cfg.pipeline.stages:
                 raise ConfigError(key, name, f"is not a stage of pipeline={cfg.pipeline.name}; stages: {', '.join(known)}")
 

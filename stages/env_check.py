@@ -15,7 +15,15 @@ from typing import Any
 
 from training.config import EnvConfig
 from training.dist import gather_objects
-from training.envinfo import GIB, check_requirements, collect_local, find_mismatches, mismatch_table
+from training.envinfo import (
+    GIB,
+    check_devices,
+    check_ports,
+    check_requirements,
+    collect_local,
+    find_mismatches,
+    mismatch_table,
+)
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,8 @@ class RankInfo:
     """Every device visible to this rank."""
     gpu_total_bytes: int | None
     gpu_free_bytes: int | None
+    gpu_bus_id: str | None
+    """The PCI address of this rank's own device (its UUID where torch has no PCI fields)."""
     ib_ports: list[str] | None
     """InfiniBand ports with state and rate; None where `ibstat` is not installed."""
     cpu_count: int | None
@@ -60,6 +70,8 @@ class RankInfo:
     """torch's intra-op threads on this rank (the launcher gives each rank its share of the cores)."""
     host_mem_total_bytes: int | None
     host_mem_available_bytes: int | None
+    nccl_env: dict[str, str]
+    """NCCL_*, TORCH_NCCL_*, TORCH_FR_* and CUDA_VISIBLE_DEVICES as this rank runs with them."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +127,9 @@ def check_fleet(facts: dict[str, Any], cfg: EnvConfig) -> EnvResult:
     """Gather every rank's `facts` and check them; the same result, or the same error, on every rank."""
     ranks = gather_objects(facts)
     mismatches = find_mismatches(ranks)
-    problems = check_requirements(ranks, cfg.require_cuda, cfg.min_free_device_memory_gib)
+    problems = check_requirements(ranks, cfg.require_cuda, cfg.min_free_device_memory_gib) + check_devices(ranks)
+    if cfg.require_active_ib:
+        problems += check_ports(ranks)
     if mismatches or problems:
         raise FleetMismatch(_explain(ranks, mismatches, problems, cfg))
     infos = [RankInfo(**r) for r in ranks]
@@ -138,11 +152,19 @@ def _explain(ranks: list[dict[str, Any]], mismatches: list[str], problems: list[
             f"give every rank the same {', '.join(mismatches)} (one container image or venv on all nodes)"
         )
     if problems:
-        fields += [f for f in ("gpu_count", "gpu_name", "gpu_free_bytes") if f not in fields]
-        need = "a CUDA device"
-        if cfg.min_free_device_memory_gib > 0:
-            need += f" with >= {cfg.min_free_device_memory_gib:g} GiB free"
-        fixes.append(f"give every rank {need}, or relax env.require_cuda / env.min_free_device_memory_gib")
+        fields += [f for f in ("backend", "gpu_count", "gpu_name", "gpu_bus_id", "gpu_free_bytes", "ib_ports")
+                   if f not in fields]
+        if any("InfiniBand" in p for p in problems):
+            fixes.append("bring the InfiniBand ports up (ibstat), or set env.require_active_ib=false")
+        if any(" share GPU " in p for p in problems):
+            fixes.append("give each rank of a node its own GPU (procs_per_node <= GPUs per node; check the "
+                         "launcher's --gpu-bind)")
+        if any("CUDA device" in p or "GPU has" in p for p in problems):
+            need = "a CUDA device"
+            if cfg.min_free_device_memory_gib > 0:
+                need += f" with >= {cfg.min_free_device_memory_gib:g} GiB free"
+            fixes.append(f"give every rank {need}, or relax env.require_cuda / env.min_free_device_memory_gib "
+                         "(with launcher.backend=gloo)")
     return "\n".join(
         [f"env: {'; '.join(what)}", mismatch_table(ranks, fields), f"env: to fix, {'; '.join(fixes)}."]
     )

@@ -379,6 +379,9 @@ class PlanConfig:
         _at_least("trial_steps", self.trial_steps, 3)
 
 
+ACCELERATORS = ("cpu", "cuda")
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     name: str = "cpu-local"
@@ -388,6 +391,10 @@ class ClusterConfig:
     """True: take device memory, compute speed and link bandwidth from this run's measurements
     (the plan and bandwidth stages); the numbers below are then ignored, but for
     `device_memory_gib`, which is then each rank's budget."""
+    accelerator: str = "cpu"
+    """What a rank computes on: `cpu` (this machine's cores, gloo) or `cuda` (one GPU per rank).
+    On a measured cluster it is what the launcher asks for: launcher=slurm requests a GPU per rank
+    (`launcher.gpus_per_node` defaults to `procs_per_node`) only for `cuda`."""
     devices_per_node: int = 1
     """Devices (GPUs) per host; collectives within a node use the intra-node link."""
     device_memory_gib: float | None = None
@@ -409,6 +416,8 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         _at_least("devices_per_node", self.devices_per_node, 1)
+        if self.accelerator not in ACCELERATORS:
+            raise ConfigError("accelerator", self.accelerator, f"must be one of {', '.join(ACCELERATORS)}")
         if self.measured and self.device_memory_gib is not None and self.device_memory_gib <= 0:
             raise ConfigError("device_memory_gib", self.device_memory_gib, "must be > 0 GiB, or null for no budget")
         if not 0 < self.achievable_mfu <= 1:
@@ -427,6 +436,9 @@ class EnvConfig:
     """Fail when a rank has no CUDA device."""
     min_free_device_memory_gib: float = 0.0
     """Fail when a rank's GPU has less free memory than this."""
+    require_active_ib: bool = True
+    """Fail when a node shows an InfiniBand port that is not Active (read with `ibstat`; nodes
+    without it are not checked). false: for hosts with ports left unplugged on purpose."""
 
     def __post_init__(self) -> None:
         _at_least("min_free_device_memory_gib", self.min_free_device_memory_gib, 0, "a number")

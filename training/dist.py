@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+
+TIMEOUT_ENV = "SCALESTUDY_TIMEOUT_S"
+"""The stage's collective timeout in seconds (set by the worker that made the process group)."""
+CHECKPOINT_TIMEOUT_ENV = "SCALESTUDY_CHECKPOINT_TIMEOUT_S"
+"""The collective timeout while a checkpoint is saved or loaded (launcher.checkpoint_timeout_s)."""
 
 
 def is_dist() -> bool:
@@ -94,3 +103,21 @@ def all_reduce_max(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+@contextlib.contextmanager
+def checkpoint_timeout() -> Iterator[None]:
+    """The default group's collective timeout raised to launcher.checkpoint_timeout_s while a
+    checkpoint is written or read (a large model's shards on a shared filesystem take longer than
+    any step's collective should), and set back to the stage's after."""
+    seconds = os.environ.get(CHECKPOINT_TIMEOUT_ENV)
+    if not is_dist() or seconds is None:
+        yield
+        return
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(datetime.timedelta(seconds=float(seconds)))
+    try:
+        yield
+    finally:
+        _set_pg_timeout(datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "180"))))

@@ -63,6 +63,7 @@ def collect_local() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),
+        "nccl_env": nccl_env(),
     }
     facts.update(_cuda_facts())
     mem = host_memory()
@@ -85,6 +86,7 @@ def _cuda_facts() -> dict[str, Any]:
         "gpu_names": [],
         "gpu_total_bytes": None,
         "gpu_free_bytes": None,
+        "gpu_bus_id": None,
     }
     facts["has_gpu"] = facts["gpu_count"] > 0
     if facts["has_gpu"]:
@@ -95,8 +97,28 @@ def _cuda_facts() -> dict[str, Any]:
             gpu_names=[torch.cuda.get_device_name(i) for i in range(facts["gpu_count"])],
             gpu_total_bytes=total,
             gpu_free_bytes=free,
+            gpu_bus_id=bus_id(torch.cuda.get_device_properties(index)),
         )
     return facts
+
+
+def bus_id(props: Any) -> str | None:
+    """A CUDA device's PCI address as the NVIDIA driver writes it (`0000:1b:00.0`), from its
+    properties; its UUID where torch has no PCI fields; None where it has neither."""
+    fields = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    if all(isinstance(f, int) for f in fields):
+        return f"{fields[0]:04x}:{fields[1]:02x}:{fields[2]:02x}.0"
+    uuid = getattr(props, "uuid", None)
+    return None if uuid is None else str(uuid)
+
+
+NCCL_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_FR_", "CUDA_VISIBLE_DEVICES")
+
+
+def nccl_env() -> dict[str, str]:
+    """The NCCL and torch-NCCL settings this rank runs with (NCCL_IB_HCA, NCCL_SOCKET_IFNAME,
+    TORCH_NCCL_ASYNC_ERROR_HANDLING, ...): a study's bandwidth is a fact of them, so they are kept."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(NCCL_ENV_PREFIXES)}
 
 
 def nccl_version() -> str | None:
@@ -202,6 +224,34 @@ def check_requirements(ranks: Sequence[dict[str, Any]], require_cuda: bool, min_
         if min_free_gib > 0 and (free is None or free / GIB < min_free_gib):
             shown = "unknown" if free is None else f"{free / GIB:.1f} GiB"
             problems.append(f"rank {r['rank']} GPU has {shown} free < {min_free_gib:g} GiB")
+    return problems
+
+
+def check_devices(ranks: Sequence[dict[str, Any]]) -> list[str]:
+    """Each rank's device against its backend and its node's other ranks: nccl on a rank without a
+    GPU, and two ranks of one node on one GPU (a launcher's binding that gave every task device 0)."""
+    problems = [f"rank {r['rank']} has no CUDA device but the backend is nccl" for r in ranks
+                if r.get("backend") == "nccl" and not r.get("has_gpu")]
+    holders: dict[tuple[Any, Any, str], list[int]] = {}
+    for r in ranks:
+        if r.get("gpu_bus_id"):
+            holders.setdefault((r.get("node_name"), r.get("hostname"), r["gpu_bus_id"]), []).append(r["rank"])
+    problems += [f"ranks {', '.join(map(str, shared))} on {node} share GPU {bus}"
+                 for (node, _, bus), shared in holders.items() if len(shared) > 1]
+    return problems
+
+
+def check_ports(ranks: Sequence[dict[str, Any]]) -> list[str]:
+    """InfiniBand ports that are not Active (Down, Initializing, Armed, Polling): a node whose port
+    is down runs its inter-node traffic over whatever is left, and its bandwidth misleads."""
+    problems, seen = [], set()
+    for r in ranks:
+        for port in r.get("ib_ports") or []:
+            state = port.split()[1] if len(port.split()) > 1 else "unknown"
+            where = (r.get("node_name"), r.get("hostname"), port)
+            if state != "Active" and where not in seen:
+                seen.add(where)
+                problems.append(f"{r.get('node_name')} InfiniBand port {port.split()[0]} is {state}")
     return problems
 
 

@@ -42,6 +42,12 @@ class Task:
     memory_budget_gib: float | None = None
     """Each rank's device-memory budget on CPU (`cluster.device_memory_gib` of a measured cluster):
     a rank over it fails as CUDA's out-of-memory would. None: no budget (training/budget.py)."""
+    timeout_s: float | None = None
+    """The stage's collective timeout (launcher.stage_timeout_s); None: the launcher's timeout_s."""
+    checkpoint_timeout_s: float | None = None
+    """The collective timeout while a checkpoint is saved or loaded (launcher.checkpoint_timeout_s)."""
+    backend: str | None = None
+    """This task's process-group backend; None: the launcher's, resolved for its workers."""
 
 
 class Launcher(Protocol):
@@ -76,5 +82,8 @@ def probe_placement(launcher: Launcher, name: str, backend: str, world: WorldSpe
     """A placement read on the launcher's own workers: every rank reports its node's identity."""
     from pipelines.placement import Placement, per_node
 
-    ranks = launcher.run(Task(stage="placement", fn="pipelines.placement:probe", inputs=None, workdir=workdir), world)
+    # Over gloo whatever the workers have: the probe gathers host objects, and it is what says
+    # whether the workers have the GPUs nccl needs.
+    probe = Task(stage="placement", fn="pipelines.placement:probe", inputs=None, workdir=workdir, backend="gloo")
+    ranks = launcher.run(probe, world)
     return Placement(name, backend, per_node(ranks))

@@ -28,6 +28,7 @@ from pipelines.launchers.worker import (
     PARENT_DEATH_ENV,
     RESULT_FILE,
     TIMEOUT_ENV,
+    flight_recorder_dumps,
 )
 from pipelines.placement import NodeIdentity, Placement, node_identity, resolved_backend
 from pipelines.schema import LauncherConfig
@@ -42,7 +43,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def worker_env(rank: int, world: WorldSpec, port: int, cfg: LauncherConfig, ranks_per_host: int) -> dict[str, str]:
+def worker_env(rank: int, world: WorldSpec, port: int, cfg: LauncherConfig, ranks_per_host: int,
+               backend: str) -> dict[str, str]:
+    """A worker's environment: its place in the world, and `backend` resolved once for all ranks."""
     env = dict(os.environ)
     env.update(
         RANK=str(rank),
@@ -55,7 +58,7 @@ def worker_env(rank: int, world: WorldSpec, port: int, cfg: LauncherConfig, rank
         PYTHONPATH=worker_pythonpath(),
         PYTHONUNBUFFERED="1",
         **{
-            BACKEND_ENV: cfg.backend,
+            BACKEND_ENV: backend,
             TIMEOUT_ENV: str(cfg.timeout_s),
             DISTRIBUTED_ENV: "1" if world.distributed else "0",
             # All emulated nodes share this host's GPUs: device = global rank.
@@ -75,6 +78,8 @@ class LocalLauncher:
         self.cfg = cfg
         self.ranks_per_host = ranks_per_host
         """The invocation's largest world on this host: every stage's ranks get cores // it threads."""
+        self.backend = resolved_backend(cfg.backend, self.identity())
+        """`auto` resolved once, here, for every rank: the workers are this machine."""
 
     def run(self, task: Task, world: WorldSpec) -> Any:
         workdir = Path(task.workdir)
@@ -87,7 +92,7 @@ class LocalLauncher:
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, "-m", "pipelines.launchers.worker", str(task_file)],
-                        env=worker_env(rank, world, port, self.cfg, self.ranks_per_host),
+                        env=worker_env(rank, world, port, self.cfg, self.ranks_per_host, self.backend),
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,
@@ -184,7 +189,9 @@ def describe_failure(workdir: Path, world_size: int, ended: dict[int, str], note
     ended without an error report (killed, or exited silently) comes first, since the others'
     errors are then only its echo ("Connection reset by peer"); otherwise the rank whose exception
     came first."""
-    where = f"logs: {workdir}" + (f"; {note}" if note else "")
+    dumps = flight_recorder_dumps(workdir)
+    where = (f"logs: {workdir}" + (f"; {note}" if note else "")
+             + (f"; NCCL flight recorder dumps: {', '.join(str(d) for d in dumps)}" if dumps else ""))
     reports = []
     for rank in range(world_size):
         path = workdir / ERROR_FILE.format(rank=rank)

@@ -31,7 +31,6 @@ from typing import Any
 import ray
 import ray.exceptions
 import ray.train
-import torch
 from ray.train import BackendConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
@@ -39,7 +38,7 @@ from pipelines.launchers.base import StageFailed, Task, WorldSpec, probe_placeme
 from pipelines.launchers.local import describe_failure
 from pipelines.launchers.ray_agent import WAIT_S, Command, Mailbox, agent
 from pipelines.launchers.worker import ERROR_FILE
-from pipelines.placement import Placement, resolved_backend
+from pipelines.placement import Placement
 from pipelines.schema import LauncherConfig
 from training.config import ConfigError
 
@@ -54,7 +53,7 @@ AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
 class WorkerGroup:
     """One Ray Train worker group serving stage after stage, driven through its mailbox."""
 
-    def __init__(self, cfg: LauncherConfig, run_dir: Path, size: int):
+    def __init__(self, cfg: LauncherConfig, run_dir: Path, size: int, use_gpu: bool):
         self.cfg, self.size = cfg, size
         self.mailbox = Mailbox.remote(size)
         self.name = f"group-{uuid.uuid4().hex[:8]}"  # a reused run name would resume that old run
@@ -62,7 +61,6 @@ class WorkerGroup:
         self.doomed = False
         """A rank that hung was told to end its process: the group serves no further stage."""
         self.commands = 0
-        use_gpu = torch.cuda.is_available()
         self.resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_gpu else "gloo")
         self.trainer = DataParallelTrainer(
@@ -198,6 +196,8 @@ class RayLauncher:
             self._start_local(runtime_env)
         else:
             self._join(cfg.address, runtime_env)
+        self.use_gpu = wants_gpus(cfg, ray.cluster_resources())
+        """One GPU per worker: launcher.use_gpu, else whether the cluster (not this driver) lists GPUs."""
 
     def _start_local(self, runtime_env: dict) -> None:
         temp_dir = self.run_dir / "ray"
@@ -251,19 +251,20 @@ class RayLauncher:
             return group
         if group is not None:
             group.stop()
-        self.group = WorkerGroup(self.cfg, self.run_dir, size)
+        self.group = WorkerGroup(self.cfg, self.run_dir, size, self.use_gpu)
         self.groups.append(self.group)
         return self.group
 
     def run(self, task: Task, world: WorldSpec) -> Any:
         size = self._size(world)
-        _check_resources(task.stage, WorldSpec(size, 1), self.cfg, torch.cuda.is_available())
+        _check_resources(task.stage, WorldSpec(size, 1), self.cfg, self.use_gpu)
         return self._ensure(size).run(task, world)
 
     def placement(self, world: WorldSpec) -> Placement:
         """Read on the workers themselves: a probe on the worker group every stage then uses."""
-        found = probe_placement(self, "ray", self.cfg.backend, world, self.run_dir / "logs" / "placement")
-        return dataclasses.replace(found, backend=resolved_backend(self.cfg.backend, found.nodes[0]))
+        backend = self.cfg.backend if self.cfg.backend != "auto" else ("nccl" if self.use_gpu else "gloo")
+        found = probe_placement(self, "ray", backend, world, self.run_dir / "logs" / "placement")
+        return dataclasses.replace(found, backend=backend)
 
     def record(self) -> dict[str, Any]:
         """For summary.json: each worker group (its workers' PIDs and Ray nodes) and its restarts."""
@@ -291,6 +292,15 @@ class RayLauncher:
                 shutil.copytree(logs, self.run_dir / "ray-logs", dirs_exist_ok=True, ignore_dangling_symlinks=True)
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
+
+
+def wants_gpus(cfg: LauncherConfig, resources: dict[str, float]) -> bool:
+    """Whether each worker asks for a GPU: launcher.use_gpu, else whether the cluster's resources
+    list any. Read from the cluster, never from the driver: a CPU head or a ray:// client has no GPU
+    of its own, and workers that ask for none have every GPU hidden from them by Ray."""
+    if cfg.use_gpu is not None:
+        return cfg.use_gpu
+    return resources.get("GPU", 0) > 0
 
 
 def _reload_auth() -> None:

@@ -31,7 +31,17 @@ from typing import Any
 import ray
 
 from pipelines.launchers.base import Task
-from pipelines.launchers.worker import BACKEND_ENV, DEVICE_ENV, ERROR_FILE, TIMEOUT_ENV, run_task
+from pipelines.launchers.worker import (
+    BACKEND_ENV,
+    DEVICE_ENV,
+    ERROR_FILE,
+    flight_recorder,
+    init_process_group,
+    resolve_backend,
+    run_task,
+    select_device,
+)
+from training.dist import CHECKPOINT_TIMEOUT_ENV, TIMEOUT_ENV
 from training.files import write_atomic
 
 WAIT_S = 1.0
@@ -185,8 +195,6 @@ def agent(config: dict[str, Any]) -> None:
     threads = max(1, int(config["cpus_per_worker"]))
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(0 if torch.cuda.device_count() == 1 else ctx.get_local_rank())
     node_id = ray.get_runtime_context().get_node_id()
     facts = {"pid": os.getpid(), "node_id": node_id, "host": os.uname().nodename,
              "ip": ray.util.get_node_ip_address(), "local_rank": ctx.get_local_rank()}
@@ -241,10 +249,18 @@ def _run(command: Command, rank: int, store: Any, generation: int, config: dict[
 
     def stage() -> None:
         try:
+            # In this thread: CUDA's current device is per thread, and the stage runs here.
+            index = select_device()
             if command.distributed:
                 prefix = dist.PrefixStore(f"stage{command.id}/gen{generation}", store)
-                dist.init_process_group(config["backend"], store=prefix, rank=rank, world_size=command.ranks,
-                                        timeout=datetime.timedelta(seconds=config["timeout_s"]))
+                backend = resolve_backend(task.backend or config["backend"], index)
+                timeout_s = task.timeout_s or config["timeout_s"]
+                os.environ[TIMEOUT_ENV] = str(timeout_s)
+                if task.checkpoint_timeout_s:
+                    os.environ[CHECKPOINT_TIMEOUT_ENV] = str(task.checkpoint_timeout_s)
+                flight_recorder(workdir)
+                os.environ.update(RANK=str(rank), WORLD_SIZE=str(command.ranks))
+                init_process_group(backend, timeout_s, index, prefix)
             box["result"] = run_task(task)
         except BaseException as err:  # noqa: BLE001 - every failure goes back to the driver
             # Reported before the process group goes: the peers' errors that follow are its echo.

@@ -38,6 +38,7 @@ from typing import Any
 
 from pipelines.launchers.base import StageFailed, Task, WorldSpec, probe_placement, worker_pythonpath
 from pipelines.launchers.local import describe_failure, read_result, remove_task, write_task
+from pipelines.launchers.resources import cpus_per_task, slurm_nodes
 from pipelines.launchers.worker import (
     BACKEND_ENV,
     DISTRIBUTED_ENV,
@@ -47,9 +48,10 @@ from pipelines.launchers.worker import (
     SLURM_STEP_ENV,
     TIMEOUT_ENV,
 )
-from pipelines.placement import Placement, resolved_backend
-from pipelines.schema import LauncherConfig
+from pipelines.placement import Placement
+from pipelines.schema import Config, LauncherConfig
 from training.config import ConfigError
+from training.files import write_atomic
 
 ALLOCATION_ENV = "SCALESTUDY_SLURM_ALLOCATION"
 """Set by a submit_only batch job: the allocation the driver runs in, to use instead of asking."""
@@ -114,14 +116,16 @@ def check_partition(partition: str) -> None:
         raise ConfigError("launcher.partition", partition, f"no such partition; this cluster has: {', '.join(partitions)}")
 
 
-def sbatch_options(cfg: LauncherConfig, world: WorldSpec, name: str, output: Path) -> list[str]:
+def sbatch_options(cfg: LauncherConfig, world: WorldSpec, name: str, output: Path, cpus: int | None = None) -> list[str]:
     """The #SBATCH lines of an invocation's allocation: `world` with the launcher's resources,
-    requeueable, with USR2 to the batch script before the time limit."""
+    requeueable, with USR2 to the batch script before the time limit. `cpus`: CPUs per task when
+    launcher.cpus_per_task is null (the node's cores shared by its tasks); None: Slurm's default."""
+    cpus = cfg.cpus_per_task or cpus
     options = [
         f"--job-name={name}",
         f"--nodes={world.nodes}",
         f"--ntasks-per-node={world.procs_per_node}",
-        f"--cpus-per-task={cfg.cpus_per_task}",
+        *([f"--cpus-per-task={cpus}"] if cpus else []),
         f"--time={cfg.timeout_min}",
         "--requeue",
         "--open-mode=append",
@@ -130,8 +134,7 @@ def sbatch_options(cfg: LauncherConfig, world: WorldSpec, name: str, output: Pat
         f"--signal=B:USR2@{min(SIGNAL_DELAY_S, cfg.timeout_min * 60 // 2)}",
         f"--output={output}",
     ]
-    if cfg.gpus_per_node is not None:
-        options.append(f"--gpus-per-node={cfg.gpus_per_node}")
+    options += gpu_options(cfg)
     if cfg.mem_gb is not None:
         options.append(f"--mem={cfg.mem_gb:g}G")
     for key in ("partition", "account", "qos", "constraint"):
@@ -140,6 +143,46 @@ def sbatch_options(cfg: LauncherConfig, world: WorldSpec, name: str, output: Pat
     for key, value in cfg.additional_parameters.items():
         options.append(f"--{key.replace('_', '-')}" + (f"={value}" if value not in ("", None, True) else ""))
     return [f"#SBATCH {option}" for option in options]
+
+
+def gpu_options(cfg: LauncherConfig) -> list[str]:
+    """The GPUs of an allocation or step: `--gpus-per-node` (validate.py fills a null one in from
+    the cluster's accelerator) and `--gpu-bind`."""
+    options = [f"--gpus-per-node={cfg.gpus_per_node}"] if cfg.gpus_per_node else []
+    return options + ([f"--gpu-bind={cfg.gpu_bind}"] if cfg.gpu_bind else [])
+
+
+def launcher_backend(cfg: LauncherConfig) -> str:
+    """`auto` resolved from what the allocation asks for: nccl with GPUs, gloo without; the workers
+    never fall back on their own (a rank without the GPU nccl needs fails, worker.py)."""
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "nccl" if cfg.gpus_per_node else "gloo"
+
+
+def step_command(cfg: LauncherConfig, job_id: str, world: WorldSpec, cpus: int | None, workdir: Path, stage: str,
+                 task_file: Path, nodelist: list[str] | None = None) -> list[str]:
+    """The srun line of one stage: `world`'s tasks in the allocation `job_id`, each running the
+    worker (in the launcher's container, when it names one). `nodelist`: where a stage smaller
+    than the allocation runs (its first nodes)."""
+    procs = world.procs_per_node if world.distributed else 1
+    nodes = world.nodes if world.distributed else 1
+    cpus = cfg.cpus_per_task or cpus
+    cmd = ["srun", f"--jobid={job_id}", f"--nodes={nodes}", f"--ntasks={nodes * procs}", f"--ntasks-per-node={procs}",
+           *([f"--cpus-per-task={cpus}"] if cpus else []), *gpu_options(cfg), "--kill-on-bad-exit=1", "--overlap",
+           f"--output={workdir}/rank%t.log", f"--job-name=scalestudy-{stage}"]
+    if nodelist:
+        cmd.append(f"--nodelist={','.join(nodelist)}")
+    python = sys.executable
+    if cfg.container_image:
+        # pyxis/enroot: the image's python; the repository and outputs mounted at the same paths.
+        cmd += [f"--container-image={cfg.container_image}", f"--container-workdir={os.getcwd()}"]
+        if cfg.container_mounts:
+            cmd.append(f"--container-mounts={','.join(cfg.container_mounts)}")
+        python = "python"
+    # The worker selects its own GPU among those its task sees (worker.py: device_index).
+    run_worker = f"exec {shlex.quote(python)} -m pipelines.launchers.worker {shlex.quote(str(task_file))}"
+    return [*cmd, "bash", "-c", "; ".join([*cfg.setup, run_worker])]
 
 
 def requeue_trap(max_requeues: int) -> list[str]:
@@ -151,12 +194,12 @@ def requeue_trap(max_requeues: int) -> list[str]:
     ]
 
 
-def allocation_script(cfg: LauncherConfig, world: WorldSpec, folder: Path) -> str:
+def allocation_script(cfg: LauncherConfig, world: WorldSpec, folder: Path, cpus: int | None = None) -> str:
     """The batch script that holds an invocation's allocation while its driver runs stages in it."""
     release, heartbeat = folder / "release", folder / "heartbeat"
     lines = [
         "#!/bin/bash",
-        *sbatch_options(cfg, world, "scalestudy", folder / "allocation-%j.out"),
+        *sbatch_options(cfg, world, "scalestudy", folder / "allocation-%j.out", cpus),
         *requeue_trap(cfg.max_requeues),
         'echo "allocation $SLURM_JOB_ID on $SLURM_JOB_NODELIST, attempt ${SLURM_RESTART_COUNT:-0}"',
         f"# Held until the driver releases it, or stops touching its heartbeat for {HEARTBEAT_STALE_S} s (it died).",
@@ -185,6 +228,15 @@ class Allocation:
         return world.nodes == self.world.nodes and world.procs_per_node <= self.world.procs_per_node
 
 
+def node_share(cfg: LauncherConfig, tasks_per_node: int) -> int | None:
+    """launcher.cpus_per_task, else each task's share of the partition's cores per node (sinfo);
+    None when sinfo can't say."""
+    if cfg.cpus_per_task:
+        return cfg.cpus_per_task
+    nodes = slurm_nodes(cfg.partition)
+    return cpus_per_task(nodes.cpus if nodes is not None else None, tasks_per_node)
+
+
 class SlurmLauncher:
     """Runs each stage as a job step of the invocation's one allocation, asked for on first use."""
 
@@ -196,6 +248,9 @@ class SlurmLauncher:
         self.job_ids: dict[str, list[str]] = {}
         """The allocation(s) each stage ran in, by stage (for the summary)."""
         self.allocations: list[dict[str, Any]] = []
+        self.backend = launcher_backend(cfg)
+        self.cpus = cfg.cpus_per_task or node_share(cfg, (invocation or WorldSpec(1, 1)).procs_per_node)
+        """CPUs per task: launcher.cpus_per_task, else the partition's cores shared by its tasks."""
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         inside = os.environ.get(ALLOCATION_ENV)
@@ -229,7 +284,7 @@ class SlurmLauncher:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "heartbeat").touch()
         script = folder / "allocation.sbatch"
-        script.write_text(allocation_script(self.cfg, world, folder))
+        script.write_text(allocation_script(self.cfg, world, folder, self.cpus))
         done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
         if done.returncode != 0:
             raise StageFailed(f"sbatch rejected the allocation: {done.stderr.strip() or done.stdout.strip()}")
@@ -297,8 +352,8 @@ class SlurmLauncher:
 
     def placement(self, world: WorldSpec) -> Placement:
         """Read on the allocation's nodes themselves: a probe step (a fraction of a second)."""
-        found = probe_placement(self, "slurm", self.cfg.backend, world, self.run_dir / "logs" / "placement")
-        return dataclasses.replace(found, backend=resolved_backend(self.cfg.backend, found.nodes[0]))
+        found = probe_placement(self, "slurm", self.backend, world, self.run_dir / "logs" / "placement")
+        return dataclasses.replace(found, backend=self.backend)
 
     def run(self, task: Task, world: WorldSpec) -> Any:
         alloc = self._ensure(world)
@@ -327,15 +382,9 @@ class SlurmLauncher:
         task_file = write_task(task)
         procs = world.procs_per_node if world.distributed else 1
         nodes = world.nodes if world.distributed else 1
-        cmd = ["srun", f"--jobid={alloc.job_id}", f"--nodes={nodes}", f"--ntasks={nodes * procs}",
-               f"--ntasks-per-node={procs}", f"--cpus-per-task={self.cfg.cpus_per_task}", "--kill-on-bad-exit=1",
-               "--overlap", f"--output={workdir}/rank%t.log", f"--job-name=scalestudy-{task.stage}"]
-        if nodes < len(alloc.nodes):
-            cmd.append(f"--nodelist={','.join(alloc.nodes[:nodes])}")  # one-rank stages: the first node, every time
-        # The worker selects its own GPU among the node's (LOCAL_RANK), as under every launcher.
-        run_worker = f"exec {shlex.quote(sys.executable)} -m pipelines.launchers.worker {shlex.quote(str(task_file))}"
-        worker = "; ".join([*self.cfg.setup, run_worker])
-        cmd += ["bash", "-c", worker]
+        # One-rank stages: the first node, every time.
+        nodelist = alloc.nodes[:nodes] if nodes < len(alloc.nodes) else None
+        cmd = step_command(self.cfg, alloc.job_id, world, self.cpus, workdir, task.stage, task_file, nodelist)
         env = self._step_env(workdir, world, procs)
         err_path = workdir / "srun.err"
         start = time.monotonic()
@@ -362,11 +411,11 @@ class SlurmLauncher:
             "PYTHONPATH": worker_pythonpath(),
             "PYTHONUNBUFFERED": "1",
             # Set before the worker imports torch, so that OpenMP takes it: the task's own cores.
-            "OMP_NUM_THREADS": str(self.cfg.cpus_per_task),
+            "OMP_NUM_THREADS": str(self.cpus or 1),
             SLURM_STEP_ENV: "1",
             LOCAL_WORLD_ENV: str(procs),
             RENDEZVOUS_ENV: str(workdir / f"rendezvous-{uuid.uuid4().hex[:8]}"),
-            BACKEND_ENV: self.cfg.backend,
+            BACKEND_ENV: self.backend,
             TIMEOUT_ENV: str(self.cfg.timeout_s),
             DISTRIBUTED_ENV: "1" if world.distributed else "0",
         })
@@ -378,6 +427,40 @@ class SlurmLauncher:
 
     def close(self) -> None:
         self.release()
+
+
+DRY_RUN_FILE = "allocation.sbatch"
+
+
+def render_dry_run(cfg: Config, run_dir: Path) -> str:
+    """launcher.dry_run: the allocation's job script as it would be submitted, with the srun line of
+    each stage the invocation would run below it (as comments, in order), written to
+    `<run dir>/slurm/allocation.sbatch` and returned for printing. Nothing is submitted."""
+    from pipelines.dag import build
+
+    world = WorldSpec(cfg.nodes, cfg.procs_per_node)
+    folder = Path(run_dir).resolve() / "slurm"
+    cpus = node_share(cfg.launcher, world.procs_per_node)
+    lines = [allocation_script(cfg.launcher, world, folder, cpus).rstrip("\n"), ""]
+    if cpus is None:
+        lines.append("# --cpus-per-task left to Slurm: sinfo could not say the nodes' cores; set launcher.cpus_per_task")
+    lines.append("# The job steps the driver would run in this allocation, in order (launcher.dry_run: nothing submitted):")
+    dag = build(cfg.pipeline)
+    selected = set(dag.closure(cfg.only)) if cfg.only else set(dag.order)
+    steps = [("placement", "world")] + [(n, dag.stages[n].spec.resources) for n in dag.order if n in selected]
+    for name, resources in steps:
+        if resources == "driver":
+            continue
+        # A one-device stage under a memory budget may need the smallest world that holds the model.
+        step_world = world if resources == "world" else WorldSpec(1, 1, distributed=False)
+        logs = folder.parent / "logs" / name
+        cmd = step_command(cfg.launcher, "<job id>", step_world, cpus, logs, name, logs / "task.pkl",
+                           ["<first node>"] if step_world.size < world.size else None)
+        lines.append(f"# {name}: {shlex.join(cmd)}")
+    text = "\n".join(lines) + "\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(folder / DRY_RUN_FILE, text)
+    return text
 
 
 SIGNAL_WORDS = {"Killed": "SIGKILL", "Terminated": "SIGTERM", "Aborted": "SIGABRT", "Segmentation fault": "SIGSEGV",

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from pipelines.launchers.base import WorldSpec, worker_pythonpath
-from pipelines.launchers.slurm import ALLOCATION_ENV, requeue_trap, sbatch_options
+from pipelines.launchers.slurm import ALLOCATION_ENV, node_share, requeue_trap, sbatch_options
 from pipelines.redact import redact_text
 from pipelines.schema import Config
 from training.config import ConfigError
@@ -41,7 +41,8 @@ def batch_script(cfg: Config, run_dir: Path, overrides: list[str], cwd: Path, py
     command = [python, str(ROOT / "run.py"), *pipeline_overrides(overrides), f"hydra.run.dir={run_dir}"]
     lines = [
         "#!/bin/bash",
-        *sbatch_options(cfg.launcher, world, "scalestudy-pipeline", run_dir / "pipeline-%j.out"),
+        *sbatch_options(cfg.launcher, world, "scalestudy-pipeline", run_dir / "pipeline-%j.out",
+                        node_share(cfg.launcher, world.procs_per_node)),
         *requeue_trap(cfg.launcher.max_requeues),
         f"cd {shlex.quote(str(cwd))}",
         *cfg.launcher.setup,

@@ -24,6 +24,7 @@ from typing import Any
 
 from pipelines.launchers.base import Task
 from pipelines.progress import PROGRESS_ENV, progress_file
+from training.dist import CHECKPOINT_TIMEOUT_ENV, TIMEOUT_ENV
 from training.files import write_atomic
 
 RESULT_FILE = "result.pkl"
@@ -31,7 +32,6 @@ ERROR_FILE = "error-rank{rank}.json"
 MEMORY_FILE = "memory-rank{rank}.json"
 """`{"peak_bytes": <int or null>}`: the rank's peak device memory over the stage (training/budget.py)."""
 BACKEND_ENV = "SCALESTUDY_BACKEND"
-TIMEOUT_ENV = "SCALESTUDY_TIMEOUT_S"
 DISTRIBUTED_ENV = "SCALESTUDY_DISTRIBUTED"
 DEVICE_ENV = "SCALESTUDY_DEVICE_INDEX"
 PARENT_DEATH_ENV = "SCALESTUDY_DIE_WITH_PARENT"
@@ -62,25 +62,102 @@ def resolve_function(path: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def setup_torch(store: Any = None) -> None:
-    """Initialise torch.distributed from the environment (env:// rendezvous at MASTER_ADDR:
-    MASTER_PORT), or over `store` when the launcher made the rendezvous itself."""
+class NoDevice(RuntimeError):
+    """The rank has no CUDA device its backend or local index needs."""
+
+
+def device_index(local_index: int, visible: int) -> int:
+    """The CUDA device this rank uses among the `visible` ones: its launcher's local index, or 0
+    when the task sees one device (Slurm's --gpu-bind / --gpus-per-task, Ray's per-worker GPU:
+    each task then sees its own as device 0, and index 1 and up do not exist)."""
+    if visible == 1:
+        return 0
+    if not 0 <= local_index < visible:
+        raise NoDevice(f"this rank's local index is {local_index} but it sees {visible} CUDA device(s) "
+                       f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); give each rank a GPU")
+    return local_index
+
+
+def select_device() -> int | None:
+    """Make this rank's GPU the current device (in the calling thread: the current device is per
+    thread); None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    index = device_index(int(os.environ.get(DEVICE_ENV, os.environ.get("LOCAL_RANK", "0"))), torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return index
+
+
+def resolve_backend(backend: str, index: int | None) -> str:
+    """`auto` as this rank resolves it; nccl without a GPU is an error, never a fallback to gloo."""
+    if backend == "auto":
+        return "nccl" if index is not None else "gloo"
+    if backend == "nccl" and index is None:
+        raise NoDevice(f"the backend is nccl but rank {os.environ.get('RANK', '0')} on {os.uname().nodename} sees no "
+                       f"CUDA device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                       "ask the launcher for a GPU per rank or use launcher.backend=gloo")
+    return backend
+
+
+FLIGHT_RECORDER_ENTRIES = "2000"
+FLIGHT_RECORDER_DIR = "nccl-trace"
+"""Under a stage's log directory: the flight recorder's dump, one file per rank, written by the
+NCCL watchdog when a collective times out (a rank aborted by it leaves no error report)."""
+
+
+def flight_recorder(workdir: Path) -> None:
+    """Turn NCCL's flight recorder on with its dump in `workdir` (the user's own settings win).
+    torch reads the older TORCH_NCCL_* names and the newer TORCH_FR_* ones; both are set."""
+    folder = Path(workdir) / FLIGHT_RECORDER_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    for names, value in ((("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), FLIGHT_RECORDER_ENTRIES),
+                         (("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"), str(folder / "rank")),
+                         (("TORCH_NCCL_DUMP_ON_TIMEOUT",), "1")):
+        # The user's own setting wins; one this function set for an earlier stage of the same
+        # process (launcher=ray's agent) does not.
+        given = next((os.environ[n] for n in names if n in os.environ and FLIGHT_RECORDER_DIR not in os.environ[n]),
+                     value)
+        for name in names:
+            os.environ[name] = given
+
+
+def flight_recorder_dumps(workdir: Path) -> list[Path]:
+    """The flight recorder's dumps a stage's ranks left (the watchdog writes them as it aborts)."""
+    folder = Path(workdir) / FLIGHT_RECORDER_DIR
+    return sorted(p for p in folder.glob("rank*") if p.is_file()) if folder.is_dir() else []
+
+
+def init_process_group(backend: str, timeout_s: float, index: int | None, store: Any = None) -> None:
+    """torch.distributed over the env:// rendezvous, or over `store`. With nccl, the device is named
+    (`device_id`): NCCL's communicator is made now rather than at the first collective, and groups
+    can be split from it."""
     import torch
     import torch.distributed as dist
 
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get(DEVICE_ENV, os.environ.get("LOCAL_RANK", "0"))))
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
+    if backend == "nccl" and index is not None:
+        kwargs["device_id"] = torch.device("cuda", index)
+    if store is not None:
+        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(**kwargs)
+
+
+def setup_torch(store: Any = None, task: Task | None = None) -> None:
+    """Select this rank's device and initialise torch.distributed from the environment (env://
+    rendezvous at MASTER_ADDR:MASTER_PORT), or over `store` when the launcher made the rendezvous."""
+    index = select_device()
     if os.environ.get(DISTRIBUTED_ENV, "1") != "1":
         return
-    backend = os.environ.get(BACKEND_ENV, "auto")
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "180")))
-    if store is None:
-        dist.init_process_group(backend=backend, timeout=timeout)
-    else:
-        dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    backend = resolve_backend((task.backend if task else None) or os.environ.get(BACKEND_ENV, "auto"), index)
+    timeout_s = task.timeout_s if task is not None and task.timeout_s else float(os.environ.get(TIMEOUT_ENV, "180"))
+    if task is not None and task.workdir is not None:
+        flight_recorder(Path(task.workdir))
+    os.environ[TIMEOUT_ENV] = str(timeout_s)  # what training/dist.py's checkpoint_timeout restores
+    if task is not None and task.checkpoint_timeout_s:
+        os.environ[CHECKPOINT_TIMEOUT_ENV] = str(task.checkpoint_timeout_s)
+    init_process_group(backend, timeout_s, index, store)
 
 
 def slurm_step_env() -> None:
@@ -198,7 +275,7 @@ def main(task_file: str) -> int:
     try:
         task: Task = pickle.loads(task_path.read_bytes())
         slurm_distributed = os.environ.get(SLURM_STEP_ENV) == "1" and os.environ.get(DISTRIBUTED_ENV, "1") == "1"
-        setup_torch(slurm_rendezvous() if slurm_distributed else None)
+        setup_torch(slurm_rendezvous() if slurm_distributed else None, task)
         result = run_task(task)
         if rank == 0:
             write_atomic(task_path.parent / RESULT_FILE, pickle.dumps(result))

@@ -80,7 +80,7 @@ def test_a_slurm_invocation_is_one_allocation_and_every_stage_a_step_on_its_node
     need_slurm()
     from tests.integration.test_slurm import steps_of
 
-    summary = invoke(tmp_path, {}, "slurm", "launcher=slurm", "launcher.poll_s=0.3")
+    summary = invoke(tmp_path, {}, "slurm", "launcher=slurm", "launcher.poll_s=0.3", "launcher.cpus_per_task=1")
     (allocation,) = summary["launcher"]["allocations"]
     job = allocation["job_id"]
     for name in WORKER_STAGES:
@@ -97,7 +97,7 @@ def test_a_slurm_invocation_is_one_allocation_and_every_stage_a_step_on_its_node
 def test_each_point_of_a_study_on_slurm_is_one_allocation(tmp_path):
     need_slurm()
     result = subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", "strategy=ddp,zero3", "experiment=smoke",
-                             "tracking=none", "only=[train]", "launcher=slurm", "launcher.poll_s=0.3",
+                             "tracking=none", "only=[train]", "launcher=slurm", "launcher.poll_s=0.3", "launcher.cpus_per_task=1",
                              "hydra.sweep.dir=sweep"], cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = [json.loads(p.read_text()) for p in sorted((tmp_path / "sweep").rglob("summary.json"))]

@@ -44,6 +44,9 @@ def slurm(tmp_path):
     made = []
 
     def make(run_dir: Path, **overrides: Any) -> Any:
+        # cpus_per_task=1: the emulated nodes claim 4 CPUs on a 2-core host, so their share (the
+        # default) would oversubscribe it; test_cpus_per_task_is_the_node_share holds the default.
+        overrides = {"cpus_per_task": 1, **overrides}
         made.append(SlurmLauncher(SlurmLauncherConfig(poll_s=0.3, timeout_min=5, **overrides), run_dir))
         return made[-1]
 
@@ -187,7 +190,7 @@ def _wait_for_job(job_id: str, timeout_s: float) -> str:
 
 def test_submit_only_runs_the_pipeline_in_one_allocation_with_its_driver(tmp_path):
     run_dir = tmp_path / "run"
-    args = ["experiment=smoke", "tracking=none", "launcher=slurm", "launcher.submit_only=true",
+    args = ["experiment=smoke", "tracking=none", "launcher=slurm", "launcher.submit_only=true", "launcher.cpus_per_task=1",
             "launcher.poll_s=0.3", f"hydra.run.dir={run_dir}"]
     start = time.monotonic()
     submitted = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=tmp_path,

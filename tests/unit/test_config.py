@@ -75,7 +75,7 @@ BAD = [
     (["data.num_samples=4"], "data='markov': holds 4 samples, fewer than one global batch"),
     (["only=[nope]"], "only='nope': is not a stage of pipeline=full"),
     (["force=[train,nope]"], "force='nope'"),
-    (["launcher.backend=nccl"], "launcher.backend='nccl': needs CUDA GPUs"),
+    (["launcher.backend=nccl"], "launcher.backend='nccl': needs a CUDA GPU per rank and this machine shows none"),
     (["launcher.timeout_s=-5"], "launcher.timeout_s=-5.0"),
     (["tracking.experiment="], "tracking.experiment"),
     (["cache_dir=/proc/nope/cache"], "cache_dir='/proc/nope/cache': must be a writable directory"),
