@@ -160,7 +160,8 @@ class TrainResult:
     ranks_in_sync: bool
     """Ranks holding the same pipeline stage ended with bitwise-identical full parameters."""
     bucket_allreduce_ms: list[float]
-    """strategy.time_buckets: each DDP bucket all-reduce's time, launch to completion, in order."""
+    """strategy.time_buckets: each DDP bucket all-reduce's time to its completion, in order (CUDA:
+    on the device, from when the NCCL stream could start it; gloo: wall time from its launch)."""
     prediction: PredictionCheck | None
     """The plan's prediction for this run and its relative errors."""
     time_split: list[TimeSplit]

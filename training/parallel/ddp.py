@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,23 +41,91 @@ def apply_ddp(
     )
 
 
+@dataclass(frozen=True)
+class BucketEvents:
+    """A bucket all-reduce's CUDA events, resolved to ms once the GPU has passed them."""
+
+    start: torch.cuda.Event
+    """On the compute stream, before the launch: the bucket's gradients are ready."""
+    end: torch.cuda.Event
+    """On a stream that waited on the all-reduce's completion."""
+    previous_end: torch.cuda.Event | None
+    """The previous bucket's `end`: until then the NCCL stream was busy with that all-reduce."""
+
+    def done(self) -> bool:
+        return self.end.query() and (self.previous_end is None or self.previous_end.query())
+
+    def ms(self) -> float:
+        """From when the communication stream could start this all-reduce to its completion."""
+        self.end.synchronize()
+        own = self.start.elapsed_time(self.end)
+        if self.previous_end is None:
+            return own
+        # One process group's collectives run in order on one NCCL stream: a bucket ready while
+        # the previous one is still reducing waits for it, and that wait is the previous one's time.
+        # (A later previous end, its side stream delayed, says nothing: keep the whole interval.)
+        self.previous_end.synchronize()
+        queued_behind = self.previous_end.elapsed_time(self.end)
+        return min(own, queued_behind) if queued_behind > 0 else own
+
+
 class BucketTimer:
-    """A DDP comm hook that all-reduces each gradient bucket as DDP would, and records the wall
-    time from launching the bucket's all-reduce to its completion (the seed's hand-made
-    "how long does each bucket take")."""
+    """A DDP comm hook that all-reduces each gradient bucket as DDP would and times each all-reduce
+    to its completion: on CUDA on the device, on gloo in wall time from its launch (the seed's
+    hand-made "how long does each bucket take")."""
 
     def __init__(self) -> None:
-        self.ms: list[float] = []
+        self._ms: list[float] = []
+        self._pending: list[BucketEvents] = []
+        self._last_end: torch.cuda.Event | None = None
+
+    @property
+    def ms(self) -> list[float]:
+        """Every bucket's all-reduce time so far, in ms, in launch order (waits for the GPU)."""
+        self._resolve(block=True)
+        return list(self._ms)
 
     def __call__(self, process_group: ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future:
+        if bucket.buffer().is_cuda:
+            return self._time_on_gpu(process_group, bucket)
+        return self._time_on_host(process_group, bucket)
+
+    def _time_on_host(self, process_group: ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future:
+        """gloo: its future completes when the all-reduce has, so wall time to the callback is right."""
         start = time.perf_counter()
         future = default_hooks.allreduce_hook(process_group, bucket)
 
         def done(fut: torch.futures.Future) -> torch.Tensor:
-            self.ms.append((time.perf_counter() - start) * 1e3)
+            self._ms.append((time.perf_counter() - start) * 1e3)
             return fut.value()
 
         return future.then(done)
+
+    def _time_on_gpu(self, process_group: ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future:
+        """NCCL: the future completes on the host as soon as the all-reduce is enqueued, so host
+        time would measure the launch; CUDA events time it on the device instead."""
+        self._resolve(block=False)  # keep the pending list short without ever waiting
+        # Recorded on the current (compute) stream before the launch: the NCCL stream waits on this
+        # stream before it starts, so the interval begins when the bucket's gradients are ready.
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        future = default_hooks.allreduce_hook(process_group, bucket)
+
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            # A CUDA future runs its callbacks with current streams made to wait on the
+            # collective's completion, so this event completes only once the all-reduce has.
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append(BucketEvents(start, end, self._last_end))
+            self._last_end = end
+            return fut.value()
+
+        return future.then(done)
+
+    def _resolve(self, block: bool) -> None:
+        """Turn the completed pending event pairs into ms, in order (all of them when `block`)."""
+        while self._pending and (block or self._pending[0].done()):
+            self._ms.append(self._pending.pop(0).ms())
 
 
 def time_buckets(model: nn.Module) -> BucketTimer | None:
