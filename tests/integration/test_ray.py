@@ -159,3 +159,49 @@ class TestTwoNodeCluster:
         with pytest.raises(StageFailed, match=r"asked for 4 Ray workers x 1 CPU on 4 distinct nodes .* 2 alive node"):
             launch(launcher, "tests.dist.workers:ranks_sum", None, WorldSpec(4, 1), tmp_path)
         assert time.monotonic() - start < 30
+
+
+class TestClusterThatListsGpus:
+    """A Ray cluster whose node lists GPUs (declared: this machine has none) while the driver has
+    none: the workers ask for them, decided from the cluster's resources, not the driver's devices."""
+
+    @pytest.fixture(scope="class")
+    def launcher(self, ray_env, tmp_path_factory):
+        from ray.cluster_utils import Cluster
+
+        from pipelines.launchers.ray import RayLauncher
+
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 2}, shutdown_at_exit=False)
+        launcher = None
+        try:
+            # backend gloo: the declared GPUs are not real, and nccl would (rightly) refuse them.
+            launcher = RayLauncher(RayLauncherConfig(address=cluster.address, backend="gloo", timeout_s=30),
+                                   tmp_path_factory.mktemp("run"))
+            yield launcher
+        finally:
+            if launcher is not None:
+                launcher.close()
+            cluster.shutdown()
+
+    def test_workers_request_a_gpu_each_when_the_cluster_lists_them(self, launcher, tmp_path):
+        assert launcher.use_gpu
+        got = launch(launcher, "tests.integration.ray_workers:gpus_of_workers", None, WorldSpec(2, 1), tmp_path)
+        assert launcher.group.resources == {"CPU": 1.0, "GPU": 1}
+        ids = [ids for ids, _ in got]
+        assert all(len(i) == 1 for i in ids) and len({i[0] for i in ids}) == 2, got
+        assert [visible for _, visible in got] == [i[0] for i in ids], "Ray shows each worker its own GPU"
+
+    def test_auto_resolves_nccl_and_nodes_without_real_gpus_are_refused_before_any_stage(self, launcher, compose_cfg):
+        import dataclasses
+
+        from pipelines.validate import check_placement
+
+        launcher.cfg = dataclasses.replace(launcher.cfg, backend="auto")
+        try:
+            placement = launcher.placement(WorldSpec(2, 1))
+        finally:
+            launcher.cfg = dataclasses.replace(launcher.cfg, backend="gloo")
+        assert placement.backend == "nccl"
+        cfg = compose_cfg("launcher=ray", "launcher.address=auto", "procs_per_node=1", "nodes=2")
+        with pytest.raises(ConfigError, match=r"launcher.backend='nccl': needs a CUDA GPU for every rank, but node "):
+            check_placement(cfg, placement)

@@ -231,3 +231,16 @@ def test_a_killed_rank_fails_the_stage_at_once(tmp_path, slurm):
     with pytest.raises(StageFailed, match="rank 1 was killed by SIGKILL"):
         launcher.run(task(tmp_path, "tests.dist.workers:kill_rank1"), WorldSpec(2, 1))
     assert time.monotonic() - start < 30
+
+
+def test_cpus_per_task_is_the_node_share_by_default(tmp_path):
+    """launcher.cpus_per_task=null: each task gets its node's cores divided by the tasks per node
+    (not one core per GPU rank), read from the partition as sinfo reports it."""
+    from pipelines.launchers.slurm import SlurmLauncher, sbatch_options
+
+    out = subprocess.run(["scontrol", "show", "node", "node1", "-o"], capture_output=True, text=True, check=True).stdout
+    cores = int(re.search(r"CPUTot=(\d+)", out).group(1))
+    launcher = SlurmLauncher(SlurmLauncherConfig(), tmp_path, WorldSpec(2, 2))
+    assert launcher.cpus == cores // 2
+    assert f"#SBATCH --cpus-per-task={cores // 2}" in sbatch_options(launcher.cfg, WorldSpec(2, 2), "x", tmp_path,
+                                                                      launcher.cpus)
