@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-$(shell printf '%s' '$(TORCH_SPEC)' | md5sum | cut -
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test lint setup bench gpu-smoke clean
+.PHONY: run test lint setup bench gpu-smoke gpu-smoke-multi clean
 
 setup: $(STAMP)
 
@@ -36,10 +36,14 @@ test: $(STAMP) lint
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
 
-# GPU checks (env + bandwidth on every GPU, train ddp and zero3 in bf16 with MFU). Needs CUDA;
-# uses .venv if present, else the python on PATH, and installs nothing.
+# What one GPU proves of the CUDA paths (scripts/gpu_smoke.py): a table, non-zero on any failure,
+# at most ten minutes. Needs CUDA; uses .venv if present, else the python on PATH; installs nothing.
 gpu-smoke:
 	bash scripts/gpu_smoke.sh
+
+# The checks that need two or more GPUs: nccl at world > 1, a GPU per rank under local, Ray, Slurm.
+gpu-smoke-multi:
+	bash scripts/gpu_smoke.sh --multi
 
 clean:
 	rm -rf outputs multirun .pytest_cache .ruff_cache

@@ -36,11 +36,11 @@ class SlurmNodes:
 
 def visible_gpus() -> int:
     """CUDA devices this process may use, read without importing torch (the driver of a cached
-    invocation never does): the NVIDIA driver's devices, when torch was built with CUDA."""
+    invocation never does): the NVIDIA driver's devices that CUDA_VISIBLE_DEVICES leaves visible,
+    when torch was built with CUDA."""
     from pipelines.placement import node_identity
 
-    me = node_identity()
-    return len(me.gpus) if me.cuda else 0
+    return node_identity().usable_gpus
 
 
 def gpus_in_gres(gres: str) -> int:

@@ -294,3 +294,35 @@ def test_a_placement_without_the_gpus_nccl_needs_fails_every_stage_before_any_ru
                                              "but node node0 of launcher=slurm shows none to its ranks")
     assert "\n" not in stages["env"]["error"]
     assert {s["status"] for s in stages.values()} <= {"failed", "skipped"}
+
+
+def test_the_driver_counts_only_the_gpus_cuda_visible_devices_leaves(monkeypatch, tmp_path):
+    """launcher=local's workers are this machine: its GPUs count, as CUDA_VISIBLE_DEVICES leaves them."""
+    import pipelines.placement as placement
+    from pipelines.launchers.resources import visible_gpus
+
+    for bus in ("0000:1b:00.0", "0000:9a:00.0"):
+        (tmp_path / "gpus" / bus).mkdir(parents=True)
+        (tmp_path / "gpus" / bus / "information").write_text(f"Model: \t {H100}\n")
+    monkeypatch.setattr(placement, "NVIDIA_PROC", tmp_path)
+    monkeypatch.setattr(placement, "torch_cuda_build", lambda: "12.8")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_gpus() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert visible_gpus() == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus() == 0
+
+
+def test_gpu_smoke_without_cuda_says_so_in_one_line():
+    import subprocess
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: `make gpu-smoke` runs the checks themselves")
+    for args in ([], ["--multi"]):
+        done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_smoke.sh"), *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 1 and done.stdout == ""
+        assert done.stderr.startswith("gpu-smoke: no CUDA device visible") and done.stderr.count("\n") == 1
