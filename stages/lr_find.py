@@ -32,13 +32,15 @@ class LrFindInputs:
     grad_clip: float | None
     precision: str
     """The run's precision: the finder steps as training will (training/step.py)."""
+    tf32: bool = True
+    """train.tf32: an fp32 run's matmuls on CUDA as training will run them."""
 
     @classmethod
     def from_config(cls, cfg: Any) -> LrFindInputs:
         dp = resolve_dims(cfg.strategy, cfg.nodes * cfg.procs_per_node).dp_size
         batch = cfg.lr_find.batch or cfg.train.micro_batch_for(dp)
         return cls(cfg.lr_find, cfg.model, cfg.data, cfg.seed, batch, cfg.train.weight_decay, cfg.train.grad_clip,
-                   cfg.strategy.precision)
+                   cfg.strategy.precision, cfg.train.tf32)
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ def run(cfg: LrFindInputs) -> LrFindResult:
 
     finder = cfg.lr_find
     ranks = world_size()  # more than one: the model doesn't fit one device (the engine asked `smallest_world`)
-    bench = workbench(cfg.model, cfg.data, cfg.seed)
+    bench = workbench(cfg.model, cfg.data, cfg.seed, cfg.tf32)
     layout = StrategyConfig(name=SHARDED if ranks > 1 else "ddp", precision=cfg.precision)
     parallel = parallelize(bench.model, bench.spec, layout, bench.dev, bench.loss)
     optimizer = build_optimizer(parallel, finder.min_lr, cfg.weight_decay)

@@ -165,7 +165,8 @@ class SystemSampler:
             node=self.node,
             t_s=round(time.monotonic() - self._t0, 3),
             cpu_utilization_percentage=psutil.cpu_percent(interval=None),
-            system_memory_usage_megabytes=(memory.total - memory.available) / 2**20,
+            # As MLflow's own CPU monitor logs it: used memory in decimal megabytes.
+            system_memory_usage_megabytes=memory.used / MB,
             system_memory_usage_percentage=memory.percent,
             gpus=self._gpus.read() if self._gpus is not None else [],
         ))
