@@ -10,6 +10,7 @@ shards are per-rank files and need the same world.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +25,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.serialization import default_restore_location
 
 from training import strategies
-from training.dist import is_dist, is_main, rank
+from training.dist import device, is_dist, is_main, rank
 from training.files import write_atomic
 from training.loop import Resume
 from training.optim import MasterAdamW
@@ -92,6 +94,18 @@ def _last_line(err: BaseException) -> str:
     return lines[-1] if lines else type(err).__name__
 
 
+def onto(dev: torch.device) -> Callable[[torch.UntypedStorage, str], torch.UntypedStorage]:
+    """torch.load's map_location for a file another rank's device may have written: what was saved
+    from a device comes onto `dev` (this rank's), not back onto the device that saved it; what was
+    saved from host memory stays there, as a fresh optimizer keeps it (AdamW's step counters: on
+    the GPU, each would cost a host sync per step)."""
+
+    def restore(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+        return storage if location == "cpu" else default_restore_location(storage, str(dev))
+
+    return restore
+
+
 def load(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout, zero1: bool) -> Resume | None:
     """Restore the latest checkpoint into `model` and `optimizer`; None when there is none."""
     latest = root / LATEST
@@ -115,7 +129,9 @@ def load(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, layout:
         ) from err
     if zero1:
         set_model_state_dict(model, state["model"])
-        optimizer.load_state_dict(torch.load(root / meta["path"] / f"zero1-optim-rank{rank()}.pt"))
+        saved = torch.load(root / meta["path"] / f"zero1-optim-rank{rank()}.pt", map_location=onto(device()),
+                           weights_only=True)
+        optimizer.load_state_dict(saved)
         optimizer.copy_to_model()
     elif isinstance(optimizer, MasterAdamW) and optimizer.has_masters:
         optimizer.copy_to_model()  # DCP loaded the masters and moments in place
