@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.serialization import default_restore_location
 
 from training import strategies
-from training.dist import device, is_dist, is_main, rank
+from training.dist import checkpoint_timeout, device, is_dist, is_main, rank
 from training.files import write_atomic
 from training.loop import Resume
 from training.optim import MasterAdamW
@@ -75,18 +75,20 @@ def _master_state(model: nn.Module, optimizer: MasterAdamW) -> dict:
 
 def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, losses: list[float],
          lrs: list[float], layout: Layout, zero1: bool) -> None:
-    """Save step `step` on every rank (collective), then point `latest.json` at it."""
+    """Save step `step` on every rank (collective), then point `latest.json` at it. The collectives
+    run under launcher.checkpoint_timeout_s (writing shards takes longer than a step's collective)."""
     path = root / f"step-{step}"
     path.mkdir(parents=True, exist_ok=True)
-    dcp.save(_state(model, optimizer, zero1), checkpoint_id=str(path))
-    if zero1:
-        torch.save(optimizer.state_dict(), path / f"zero1-optim-rank{rank()}.pt")
-    _barrier()
-    if is_main():
-        meta = {"step": step, "losses": losses, "lrs": lrs, "path": path.name,
-                "strategy": layout.strategy, "world_size": layout.world_size}
-        write_atomic(root / LATEST, json.dumps(meta))
-    _barrier()
+    with checkpoint_timeout():
+        dcp.save(_state(model, optimizer, zero1), checkpoint_id=str(path))
+        if zero1:
+            torch.save(optimizer.state_dict(), path / f"zero1-optim-rank{rank()}.pt")
+        _barrier()
+        if is_main():
+            meta = {"step": step, "losses": losses, "lrs": lrs, "path": path.name,
+                    "strategy": layout.strategy, "world_size": layout.world_size}
+            write_atomic(root / LATEST, json.dumps(meta))
+        _barrier()
 
 
 def _last_line(err: BaseException) -> str:
@@ -119,22 +121,28 @@ def load(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, layout:
             f"optimizer shards reload only into zero1 at the same world size (this run: {layout.strategy} at world "
             f"{layout.world_size})"
         )
+    with checkpoint_timeout():
+        _restore(root / meta["path"], model, optimizer, saved, layout, zero1)
+    return Resume(step=meta["step"], losses=meta["losses"], lrs=meta["lrs"])
+
+
+def _restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, saved: Layout, layout: Layout,
+             zero1: bool) -> None:
+    """Load the checkpoint at `path` into `model` and `optimizer` (collective)."""
     state = _state(model, optimizer, zero1)
     try:
-        dcp.load(state, checkpoint_id=str(root / meta["path"]))
+        dcp.load(state, checkpoint_id=str(path))
     except Exception as err:  # noqa: BLE001 - DCP raises many types; the user needs the layouts
         raise ValueError(
-            f"checkpoint {root / meta['path']} ({saved.strategy} at world {saved.world_size}) cannot be loaded into "
+            f"checkpoint {path} ({saved.strategy} at world {saved.world_size}) cannot be loaded into "
             f"{layout.strategy} at world {layout.world_size}: {_last_line(err)}"
         ) from err
     if zero1:
         set_model_state_dict(model, state["model"])
-        saved = torch.load(root / meta["path"] / f"zero1-optim-rank{rank()}.pt", map_location=onto(device()),
-                           weights_only=True)
-        optimizer.load_state_dict(saved)
+        shard = torch.load(path / f"zero1-optim-rank{rank()}.pt", map_location=onto(device()), weights_only=True)
+        optimizer.load_state_dict(shard)
         optimizer.copy_to_model()
     elif isinstance(optimizer, MasterAdamW) and optimizer.has_masters:
         optimizer.copy_to_model()  # DCP loaded the masters and moments in place
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return Resume(step=meta["step"], losses=meta["losses"], lrs=meta["lrs"])

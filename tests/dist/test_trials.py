@@ -63,6 +63,7 @@ def run_trials(inputs: tuple) -> dict:
     from torch.distributed import distributed_c10d as c10d
 
     import stages.trials as trials
+    import training.isolation as isolation
     import training.loop as loop
     from training.budget import DeviceOutOfMemory, StorageTracker
     from training.units import MIB
@@ -72,7 +73,7 @@ def run_trials(inputs: tuple) -> dict:
     seen: dict = {"calls": [], "groups_at_agreement": [], "groups_in_trial": [], "log": [], "failed_at": None}
     steps = iter(range(10**9))
     original_step, original_measure, original_agree, original_log = (loop.optimizer_step, trials._measure,
-                                                                     trials._agree, trials.log)
+                                                                     isolation._agree, trials.log)
 
     def step(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - optimizer_step's own
         if next(steps) == 1 and rank == fail_rank and budget_mib is None:
@@ -106,7 +107,7 @@ def run_trials(inputs: tuple) -> dict:
         seen["log"].append(message)
         original_log(stage, message)
 
-    loop.optimizer_step, trials._measure, trials._agree, trials.log = step, measure, agree, log
+    loop.optimizer_step, trials._measure, isolation._agree, trials.log = step, measure, agree, log
     plan = SimpleNamespace(layouts=layouts, world_size=dist.get_world_size())
     lr_find = SimpleNamespace(scaled=lambda batch: 1e-2)
     seen["groups_before"] = len(c10d._world.pg_map)
