@@ -95,10 +95,12 @@ class GPT(nn.Module):
         self.output: nn.Linear | None = nn.Linear(d_model, vocab_size, bias=False)
         self.apply(_init_weights)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids` (Hugging Face's name): each token's true position where the tokens are not
+        0..t-1, e.g. this rank's part of a sequence under context parallelism."""
         h = tokens
         if self.tok_embeddings is not None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            positions = torch.arange(tokens.shape[1], device=tokens.device) if position_ids is None else position_ids
             h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
         for layer in self.layers.values():
             h = layer(h)
