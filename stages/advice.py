@@ -10,14 +10,25 @@ from typing import TYPE_CHECKING
 
 from training import strategies
 from training.config import ClusterConfig, DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
-from training.costmodel import Anatomy, Calibration, Hardware, Workload, predict_layout, state_memory
-from training.parallel.dims import resolve_dims
+from training.costmodel import (
+    Anatomy,
+    Calibration,
+    Group,
+    Hardware,
+    Workload,
+    group_of,
+    predict_layout,
+    state_memory,
+)
+from training.parallel.dims import ParallelDims, resolve_dims
 from training.search import (
+    NODE_LOCAL,
     Candidate,
     Searched,
     Space,
     Variant,
     closest_miss,
+    crosses_nodes,
     search,
     strategy_name,
 )
@@ -166,14 +177,8 @@ def rejection_reasons(searched: Searched, best: Candidate | None, memory_limit: 
                            f"> {memory_limit / GIB:.1f} GiB ({pct}), even at micro-batch {top.micro_batch} in "
                            f"{top.precision} with {top.activation_checkpointing} checkpointing: the memory ruler")
             continue
-        cross = top.dims["tp"] > hw.devices_per_node
-        if cross:
-            inter = hw.inter.get("all_reduce") or next(iter(hw.inter.values()), None)
-            intra = hw.intra.get("all_reduce") or next(iter(hw.intra.values()), None)
-            reasons.append(f"{name}: tp={top.dims['tp']} crosses nodes: its all-reduces ride the "
-                           f"{inter.busbw_gbps:g} GB/s inter-node link, not the {intra.busbw_gbps:g} GB/s one: the "
-                           f"bandwidth ruler ({top.tokens_per_s:.0f} tokens/s)" if inter and intra else
-                           f"{name}: tp={top.dims['tp']} crosses nodes: the bandwidth ruler")
+        if crosses_nodes(top, hw.devices_per_node):
+            reasons.append(f"{name}: {tp_tier(top, hw)}: the bandwidth ruler ({top.tokens_per_s:.0f} tokens/s)")
             continue
         if best is not None:
             reasons.append(f"{name}: fits ({top.memory_per_device_bytes / GIB:.1f} GiB) but predicted "
@@ -208,6 +213,32 @@ def _why_absent(name: str, anatomy: Anatomy, cfg: AdviceInputs) -> str:
     if cfg.plan.strategies and name not in cfg.plan.strategies:
         return "left out by plan.strategies"
     return "no batch split of this world keeps the batch"
+
+
+def tp_tier(c: Candidate, hw: Hardware) -> str:
+    """What the candidate's TP all-reduces cost on the tier they ride, against a node's link: e.g.
+    `tp=16 crosses nodes (16 ranks on 2 nodes): 4 all-reduces per layer at 61 µs and 370 GB/s per
+    GPU, vs 13 µs and 450 GB/s inside a node`."""
+    d = ParallelDims(**{k: c.dims[k] for k in ("dp_replicate", "dp_shard", "tp", "pp")})
+    group = group_of(d, "tp", hw.devices_per_node)
+    across, inside = hw.link("all_reduce", group), hw.link("all_reduce", Group(min(group.ranks, hw.devices_per_node),
+                                                                                 min(group.ranks, hw.devices_per_node)))
+    where = "crosses nodes" if group.nodes > 1 else "stays in one node"
+    return (f"tp={c.dims['tp']} {where} ({group.describe()}): 4 all-reduces per layer at "
+            f"{across.alpha_at(group.ranks) * 1e6:.0f} µs and {across.busbw_gbps:.0f} GB/s per GPU, vs "
+            f"{inside.alpha_at(inside.world) * 1e6:.0f} µs and {inside.busbw_gbps:.0f} GB/s inside a node")
+
+
+def node_local_reason(best: Candidate | None, searched: Searched, hw: Hardware) -> str | None:
+    """Why a recommendation whose TP group crosses nodes was kept: no node-local layout within
+    NODE_LOCAL of it (search.rank prefers one that is); None when it does not cross."""
+    if best is None or not crosses_nodes(best, hw.devices_per_node):
+        return None
+    local = next((c for c in searched.ranked if c.fits and not crosses_nodes(c, hw.devices_per_node)), None)
+    versus = (f"the best node-local layout, {local.strategy} {_short(local)}, is predicted "
+              f"{1 - local.tokens_per_s / best.tokens_per_s:.0%} slower" if local is not None else
+              "no node-local layout fits")
+    return f"tiers: {tp_tier(best, hw)}; kept because {versus} (more than {NODE_LOCAL:.0%})"
 
 
 def headline_reason(best: Candidate | None, searched: Searched, memory_limit: float, world: int) -> str:

@@ -4,11 +4,19 @@ Runs on every rank of the target world. Each configured collective is timed over
 message sizes (training.collectives); the all_reduce bus bandwidth at the largest size is the
 number the plan compares with `bandwidth.ruler_gbps`. A world of one rank has no links, so it
 reports nothing rather than a made-up number.
+
+With several nodes of several ranks, the two tiers a layout's groups ride are probed as well, so
+that the plan can tell a node's link (NVLink) from the links between nodes (InfiniBand): each
+node's own ranks, all nodes at once (the intra-node tier: a node-local TP group), and one rank of
+every node, all local ranks at once (the inter-node tier as one rank's share of the NICs sees it:
+the data-parallel group of a node-local TP layout). The whole world is the third: every rank of
+every node, across nodes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from stages.common import log, progress
 from training.collectives import Measurement, element_count, message_sizes, probe
@@ -23,6 +31,12 @@ VERDICT_COLLECTIVE = "all_reduce"
 @dataclass(frozen=True)
 class BandwidthInputs:
     bandwidth: BandwidthConfig
+    nodes: int = 1
+    procs_per_node: int = 1
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> BandwidthInputs:
+        return cls(cfg.bandwidth, cfg.nodes, cfg.procs_per_node)
 
 
 @dataclass(frozen=True)
@@ -43,17 +57,27 @@ class BandwidthResult:
     """CUDA: the least device memory free on any rank after the probe, with its CUDA context and
     communicator buffers (NCCL's) held and the allocator's cache emptied: what a stage on these
     workers can have (the plan's memory ruler takes its fraction of it). None on CPU."""
+    nodes: int = 1
+    procs_per_node: int = 1
+    node_results: list[Measurement] = field(default_factory=list)
+    """Each node's own ranks, every node at once (the slowest node's time): the intra-node tier.
+    Empty with one rank per node, or on one node (`results` is then that tier)."""
+    spread_results: list[Measurement] = field(default_factory=list)
+    """One rank of every node, every local rank at once: the inter-node tier as one rank's share of
+    the node's NICs carries it. Empty with one node or one rank per node (`results` is then that)."""
 
     def metrics(self) -> list[tuple[str, float, int]]:
         """MLflow (key, value, step): each measurement at step = its bytes, and each collective's
         busbw at its largest size at step 0."""
         out: list[tuple[str, float, int]] = [("comm/world_size", float(self.world_size), 0)]
-        for m in self.results:
-            out += [
-                (f"comm/{m.collective}/busbw_gbps", m.busbw_gbps, m.bytes),
-                (f"comm/{m.collective}/algbw_gbps", m.algbw_gbps, m.bytes),
-                (f"comm/{m.collective}/time_us", m.time_us, m.bytes),
-            ]
+        for prefix, rows in (("comm", self.results), ("comm/node", self.node_results),
+                             ("comm/spread", self.spread_results)):
+            for m in rows:
+                out += [
+                    (f"{prefix}/{m.collective}/busbw_gbps", m.busbw_gbps, m.bytes),
+                    (f"{prefix}/{m.collective}/algbw_gbps", m.algbw_gbps, m.bytes),
+                    (f"{prefix}/{m.collective}/time_us", m.time_us, m.bytes),
+                ]
         for name in dict.fromkeys(m.collective for m in self.results):
             top = largest(self.results, name)
             assert top is not None
@@ -103,15 +127,38 @@ def run(cfg: BandwidthInputs) -> BandwidthResult:
     bw = cfg.bandwidth
     world = world_size()
     if world == 1:
-        return _result(bw, world, [], SKIPPED_WORLD_1)
+        return _result(bw, world, [], SKIPPED_WORLD_1, cfg)
     sizes = message_sizes(bw.min_bytes, bw.max_bytes, bw.factor)
     if is_main():
         log("bandwidth", f"world {world} ({backend()}), {len(sizes)} sizes "
                          f"{human_bytes(sizes[0])}..{human_bytes(sizes[-1])}, {', '.join(bw.collectives)}")
-    total = len({element_count(size, world) for size in sizes}) * len(bw.collectives)  # as probe() dedupes
+    tiers = cfg.nodes > 1 and cfg.procs_per_node > 1
+    total = sum(len({element_count(size, n) for size in sizes}) * len(bw.collectives)  # as probe() dedupes
+                for n in ([world, cfg.procs_per_node, cfg.nodes] if tiers else [world]))
     done = iter(range(1, total + 1))
     report = (lambda line: progress("bandwidth", f"{next(done)}/{total} measured; {line.strip()}")) if is_main() else None
-    return _result(bw, world, probe(bw.collectives, sizes, bw.warmup_iters, bw.iters, report), None)
+    results = probe(bw.collectives, sizes, bw.warmup_iters, bw.iters, report)
+    node, spread = (_tiers(bw, sizes, cfg.nodes, cfg.procs_per_node, report) if tiers else ([], []))
+    return _result(bw, world, results, None, cfg, node, spread)
+
+
+def _tiers(bw: BandwidthConfig, sizes: list[int], nodes: int, per_node: int,
+           report: Any) -> tuple[list[Measurement], list[Measurement]]:
+    """The intra-node tier (each node's ranks) and the inter-node tier (one rank per node), each
+    measured on all its groups at once. Ranks fill a node before the next (every launcher's order)."""
+    import torch.distributed as dist
+
+    by_node = [[n * per_node + i for i in range(per_node)] for n in range(nodes)]
+    by_local = [[n * per_node + i for n in range(nodes)] for i in range(per_node)]
+    out = []
+    for enumeration in (by_node, by_local):
+        group, groups = dist.new_subgroups_by_enumeration(enumeration)
+        try:
+            out.append(probe(bw.collectives, sizes, bw.warmup_iters, bw.iters, report, group))
+        finally:
+            for made in groups:
+                dist.destroy_process_group(made)
+    return out[0], out[1]
 
 
 def free_device_bytes() -> int | None:
@@ -128,7 +175,9 @@ def free_device_bytes() -> int | None:
     return min(free) if free else None
 
 
-def _result(bw: BandwidthConfig, world: int, results: list[Measurement], skipped: str | None) -> BandwidthResult:
+def _result(bw: BandwidthConfig, world: int, results: list[Measurement], skipped: str | None,
+            cfg: BandwidthInputs | None = None, node: list[Measurement] | None = None,
+            spread: list[Measurement] | None = None) -> BandwidthResult:
     top = largest(results, VERDICT_COLLECTIVE)
     busbw = top.busbw_gbps if top is not None else None
     return BandwidthResult(
@@ -140,4 +189,8 @@ def _result(bw: BandwidthConfig, world: int, results: list[Measurement], skipped
         largest_all_reduce_busbw_gbps=busbw,
         skipped_reason=skipped,
         free_device_bytes=free_device_bytes(),
+        nodes=cfg.nodes if cfg else 1,
+        procs_per_node=cfg.procs_per_node if cfg else world,
+        node_results=node or [],
+        spread_results=spread or [],
     )

@@ -17,11 +17,13 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from stages.advice import (
     AdviceInputs,
     advise,
     headline_reason,
+    node_local_reason,
     precision_peak,
     pure,
     rejection_reasons,
@@ -31,6 +33,7 @@ from stages.bandwidth import BandwidthResult
 from stages.common import log, workbench
 from stages.lr_find import LrFindResult
 from training import strategies
+from training.collectives import Measurement
 from training.config import ClusterConfig, DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
 from training.costmodel import (
     Anatomy,
@@ -457,14 +460,29 @@ def workload(cfg: PlanInputs, anatomy: Anatomy) -> Workload:
     )
 
 
-def measured_links(bandwidth: BandwidthResult) -> dict[str, Link]:
-    """An α–β fit per collective the probe measured (at its world size)."""
+def measured_links(results: list[Measurement], world: int) -> dict[str, Link]:
+    """An α–β fit per collective the probe measured (at `world` ranks: the size of its groups)."""
     links = {}
-    for name in sorted({m.collective for m in bandwidth.results}):
-        points = [(m.bytes, m.time_us * 1e-6) for m in bandwidth.results if m.collective == name]
+    for name in sorted({m.collective for m in results}):
+        points = [(m.bytes, m.time_us * 1e-6) for m in results if m.collective == name]
         if len(points) >= 2:
-            links[name] = fit_link(points, name, bandwidth.world_size)
+            links[name] = fit_link(points, name, world)
     return links
+
+
+def measured_tiers(bandwidth: BandwidthResult) -> dict[str, Any]:
+    """Hardware's links by tier from what the probe measured. One node: its links serve every
+    size (launcher=local: every rank on this host's links; nothing measured across nodes). One rank
+    per node: every group crosses nodes. Several of each: the node's own ranks (intra), the whole
+    world (inter, full nodes) and one rank per node (inter, one rank's share of the NICs)."""
+    world = measured_links(bandwidth.results, bandwidth.world_size)
+    if bandwidth.nodes <= 1:
+        return {"devices_per_node": 10**9, "intra": world, "inter": world}
+    if bandwidth.procs_per_node <= 1 or not bandwidth.node_results:
+        return {"devices_per_node": bandwidth.procs_per_node, "intra": {}, "inter": world}
+    return {"devices_per_node": bandwidth.procs_per_node,
+            "intra": measured_links(bandwidth.node_results, bandwidth.procs_per_node), "inter": world,
+            "inter_single": measured_links(bandwidth.spread_results, bandwidth.nodes)}
 
 
 def preset_links(gbps: float, latency_us: float, world: int) -> dict[str, Link]:
@@ -479,13 +497,10 @@ def hardware(cfg: PlanInputs, executed_flops_per_sample: float, rulers: Rulers |
     c = cfg.cluster
     if c.measured:
         assert rulers is not None and bandwidth is not None, "a measured cluster needs the measurements"
-        links = measured_links(bandwidth)
         cpu = rulers.memory_source != "cuda_allocator"
         return Hardware(
             device_memory_bytes=rulers.device_memory_bytes,
-            devices_per_node=10**9,  # launcher=local: every rank on this host's links
-            intra=links,
-            inter=links,
+            **measured_tiers(bandwidth),
             seconds_per_sample=rulers.step_compute_s / micro,
             cores=(os.cpu_count() or 1) if cpu else None,
             threads_per_device=rulers.threads,
@@ -510,7 +525,7 @@ def predictions(cfg: PlanInputs, w: Workload, hw: Hardware, world: int,
     single = base.samples_per_s
     out = []
     for devices in device_counts(cfg.plan.max_devices, world):
-        if devices > 1 and not hw.intra:
+        if devices > 1 and not (hw.intra or hw.inter):
             continue  # no bandwidth measured: nothing to predict beyond one device
         for strategy in [s for s in pure() if not cfg.plan.strategies or s in cfg.plan.strategies]:
             p = predict(w, hw, strategy, devices, limit, overlap, single, calibration)
@@ -534,6 +549,8 @@ def advise_plan(cfg: PlanInputs, anatomy: Anatomy, costs: list, hw: Hardware, w:
     best = searched.ranked[0] if searched.ranked else None
     best = best if best is not None and best.fits else None
     reasons = [headline_reason(best, searched, limit, world)]
+    tiers = node_local_reason(best, searched, hw)
+    reasons += [tiers] if tiers is not None else []
     reasons += rejection_reasons(searched, best, limit, hw, inputs, anatomy)
     if requested is not None and best is not None:
         reasons.append(f"requested: {requested.strategy} predicted {requested.tokens_per_s:.0f} tokens/s, "

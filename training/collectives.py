@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from training.dist import device as current_device
 from training.dist import synchronize
@@ -89,9 +89,9 @@ class Measurement:
                 f"algbw {self.algbw_gbps:8.3f} GB/s  busbw {self.busbw_gbps:8.3f} GB/s")
 
 
-def _operation(collective: str, count: int, world: int, dev: torch.device) -> Callable[[], object]:
-    """A zero-argument call that runs `collective` once on `count` elements, reusing buffers
-    allocated here so that the timed loop allocates nothing."""
+def _operation(collective: str, count: int, world: int, dev: torch.device, group: Any = None) -> Callable[[], object]:
+    """A zero-argument call that runs `collective` once on `count` elements over `group` (None:
+    every rank), reusing buffers allocated here so that the timed loop allocates nothing."""
     import torch
     import torch.distributed as dist
 
@@ -99,29 +99,31 @@ def _operation(collective: str, count: int, world: int, dev: torch.device) -> Ca
     # which slow the CPU reduction down and would be measured as a slow link.
     full = torch.zeros(count, dtype=torch.float32, device=dev)
     if collective == "all_reduce":
-        return lambda: dist.all_reduce(full)
+        return lambda: dist.all_reduce(full, group=group)
     if collective == "broadcast":
-        return lambda: dist.broadcast(full, src=0)
+        return lambda: dist.broadcast(full, group_src=0, group=group)
     shard = torch.zeros(count // world, dtype=torch.float32, device=dev)
     if collective == "all_gather":
-        return lambda: dist.all_gather_single(full, shard)
+        return lambda: dist.all_gather_single(full, shard, group=group)
     if collective == "reduce_scatter":
-        return lambda: dist.reduce_scatter_single(shard, full)
+        return lambda: dist.reduce_scatter_single(shard, full, group=group)
     if collective == "all_to_all":
         received = torch.zeros_like(full)
-        return lambda: dist.all_to_all_single(received, full)
+        return lambda: dist.all_to_all_single(received, full, group=group)
     raise ValueError(f"collective={collective!r}: must be one of {', '.join(_BUS_FACTORS)}")
 
 
-def measure(collective: str, nbytes: int, warmup_iters: int, iters: int, device: torch.device) -> Measurement:
-    """Time `collective` on a buffer of about `nbytes` on every rank of the initialised process
-    group; every rank returns the same measurement (the slowest rank's time)."""
+def measure(collective: str, nbytes: int, warmup_iters: int, iters: int, device: torch.device,
+            group: Any = None) -> Measurement:
+    """Time `collective` on a buffer of about `nbytes` over `group` (None: every rank of the
+    initialised process group; a subgroup: every rank's subgroup at once, as nccl-tests run on
+    each node); every rank returns the same measurement (the slowest rank's time)."""
     import torch
     import torch.distributed as dist
 
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     count = element_count(nbytes, world)
-    op = _operation(collective, count, world, device)
+    op = _operation(collective, count, world, device, group)
     for _ in range(warmup_iters):
         op()
     synchronize(device)
@@ -138,18 +140,19 @@ def measure(collective: str, nbytes: int, warmup_iters: int, iters: int, device:
 
 
 def probe(collectives: Sequence[str], sizes: Sequence[int], warmup_iters: int, iters: int,
-          progress: Callable[[str], None] | None = None) -> list[Measurement]:
-    """Measure every collective at every size on this rank's device; `progress` gets one line
-    per measurement. Sizes that round to the same buffer are measured once."""
+          progress: Callable[[str], None] | None = None, group: Any = None) -> list[Measurement]:
+    """Measure every collective at every size on this rank's device, over `group` (None: every
+    rank); `progress` gets one line per measurement. Sizes that round to the same buffer are
+    measured once."""
     import torch.distributed as dist
 
     dev = current_device()
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     results: list[Measurement] = []
     for collective in collectives:
         counts = dict.fromkeys(element_count(size, world) for size in sizes)
         for count in counts:
-            result = measure(collective, count * ELEMENT_BYTES, warmup_iters, iters, dev)
+            result = measure(collective, count * ELEMENT_BYTES, warmup_iters, iters, dev, group)
             if progress is not None:
                 progress(result.row())
             results.append(result)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from training import strategies
-from training.parallel.dims import ParallelDims
+from training.parallel.dims import DIM_NAMES, ParallelDims
 
 COSTMODEL_VERSION = 3
 """Bumped when the predicted components change meaning (2: per-call latency, measured strategy
@@ -256,14 +256,52 @@ class Link:
     world: int
     """The world size the fit was measured at."""
 
+    def alpha_at(self, n: int) -> float:
+        """The latency of one call over `n` ranks: latency_hops(n) hops, scaled from the `world` it
+        was measured at."""
+        return self.alpha_s * latency_hops(n) / latency_hops(max(self.world, 2)) if n > 1 else 0.0
+
     def time(self, collective: str, nbytes: float, n: int, calls: int = 1) -> float:
-        """Seconds for `nbytes` over `n` ranks moved in `calls` calls: each call pays the latency
-        (latency_hops(n) hops, scaled from the `world` it was measured at), the bytes pay the
-        bandwidth once."""
+        """Seconds for `nbytes` over `n` ranks moved in `calls` calls: each call pays the latency,
+        the bytes pay the bandwidth once."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        alpha = self.alpha_s * latency_hops(n) / latency_hops(max(self.world, 2))
-        return calls * alpha + nbytes * BUS_FACTOR[collective](n) / (self.busbw_gbps * 1e9)
+        return calls * self.alpha_at(n) + nbytes * BUS_FACTOR[collective](n) / (self.busbw_gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class Group:
+    """The ranks one collective runs over, as the mesh lays them out (ranks fill a node before the
+    next, the innermost dimension on neighbouring ranks): how many, and how many of them share
+    each node the group spans."""
+
+    ranks: int
+    per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.ranks / max(self.per_node, 1))
+
+    def describe(self) -> str:
+        return f"{self.ranks} ranks" + (f" on {self.nodes} nodes ({self.per_node} per node)" if self.nodes > 1 else
+                                        " in one node")
+
+
+def group_of(d: ParallelDims, dim: str, devices_per_node: int | None) -> Group:
+    """The group of mesh dimension `dim` (`dp`: dp_replicate x dp_shard, flattened) in the layout
+    `d` on nodes of `devices_per_node` ranks (None: one node holds them all). Its ranks are
+    `stride` apart, stride being the product of the dimensions inside it, so a node holds
+    devices_per_node // stride of them (at least one)."""
+    names = list(DIM_NAMES)
+    sizes = {name: getattr(d, name) for name in names}
+    if dim == "dp":
+        ranks, inner = d.dp_size, names[names.index("dp_shard") + 1:]
+    else:
+        ranks, inner = sizes[dim], names[names.index(dim) + 1:]
+    if devices_per_node is None:
+        return Group(ranks, ranks)
+    stride = math.prod(sizes[name] for name in inner)
+    return Group(ranks, max(1, min(ranks, devices_per_node // stride)))
 
 
 def latency_hops(n: int) -> float:
@@ -327,12 +365,13 @@ def fsdp_units(shape: Shape) -> int:
 
 
 def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, grad_accum: int, microbatches: int,
-              precision: str, link: Callable[[str, int], Link], bucket_cap_bytes: float = 25 * 1024**2,
-              clip: bool = False) -> Comm:
+              precision: str, link: Callable[[str, Group], Link], bucket_cap_bytes: float = 25 * 1024**2,
+              clip: bool = False, devices_per_node: int | None = None) -> Comm:
     """Per-step communication of each strategy in seconds (ZeRO's, Megatron's and GPipe's
     volumes, in the calls each implementation makes: every call pays the link's latency, which is
-    what dominates a small model or a slow link); `link(collective, ranks)` is the fitted α–β
-    model for that collective and span."""
+    what dominates a small model or a slow link); `link(collective, group)` is the α–β model of
+    that collective over that group, on the tier it crosses (Hardware.link). Each collective runs
+    over its own mesh dimension's group (group_of) on nodes of `devices_per_node` ranks."""
     psi = params_per_rank(shape, d)
     dtype_bytes = COMPUTE_BYTES[precision]
     # The gradients as reduced: FSDP's reduce_dtype is fp32; DDP reduces the parameters' dtype
@@ -340,17 +379,20 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
     stored = dtype_bytes if precision == "bf16" else MASTER_BYTES
     grads = (MASTER_BYTES if d.uses_fsdp else stored) * psi
     params = dtype_bytes * psi
-    n, world = d.dp_size, d.world_size
+    n = d.dp_size
     units = fsdp_units(shape)
+    dp_group, tp_group = group_of(d, "dp", devices_per_node), group_of(d, "tp", devices_per_node)
+    # Neighbouring pipeline stages: two ranks a pp stride apart (another node once it exceeds one).
+    pp_group = Group(2, 2 if group_of(d, "pp", devices_per_node).per_node > 1 else 1)
 
     made = 0
 
-    def call(collective: str, nbytes: float, ranks: int, calls: int = 1, span: int = world) -> float:
-        """`calls` calls moving `nbytes` in all over `ranks`, on the link of a `span`-rank job."""
+    def call(collective: str, nbytes: float, group: Group, calls: int = 1) -> float:
+        """`calls` calls moving `nbytes` in all over `group`, on the tier it crosses."""
         nonlocal made
-        if ranks > 1 and nbytes > 0:
+        if group.ranks > 1 and nbytes > 0:
             made += calls
-        return link(collective, span).time(collective, nbytes, ranks, calls)
+        return link(collective, group).time(collective, nbytes, group.ranks, calls)
 
     tail = 0.0
     if n == 1:
@@ -362,26 +404,27 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
         # for every micro-batch of an accumulating step; the reduce-scatter once per step.
         resharded = strategies.get(strategy).reshard_after_forward
         regathered = shape.params - shape.first_stage_params - shape.last_stage_params if resharded else 0
-        dp_s = (call("all_gather", params * grad_accum, n, units * grad_accum)
-                + call("all_gather", dtype_bytes * regathered / d.tp / d.pp * grad_accum, n, (units - 1) * grad_accum)
-                + call("reduce_scatter", grads, n, units))
-        tail = link("reduce_scatter", world).time("reduce_scatter", grads / units, n)
+        dp_s = (call("all_gather", params * grad_accum, dp_group, units * grad_accum)
+                + call("all_gather", dtype_bytes * regathered / d.tp / d.pp * grad_accum, dp_group,
+                       (units - 1) * grad_accum)
+                + call("reduce_scatter", grads, dp_group, units))
+        tail = link("reduce_scatter", dp_group).time("reduce_scatter", grads / units, n)
         if clip:  # the global gradient norm of sharded gradients: one scalar all-reduce
-            dp_s += call("all_reduce", 4, n)
+            dp_s += call("all_reduce", 4, dp_group)
     else:
         buckets = ddp_buckets(grads, bucket_cap_bytes)
-        dp_s = call("all_reduce", grads, n, buckets)
-        tail = link("all_reduce", world).time("all_reduce", min(grads, bucket_cap_bytes), n)
+        dp_s = call("all_reduce", grads, dp_group, buckets)
+        tail = link("all_reduce", dp_group).time("all_reduce", min(grads, bucket_cap_bytes), n)
         if strategies.get(strategy).shards_optimizer_only:  # then each rank broadcasts the partition it updated
-            dp_s += call("broadcast", stored * psi, n, n)
+            dp_s += call("broadcast", stored * psi, dp_group, n)
     activation = activation_tensor_bytes(micro_batch, shape.seq_len, shape.hidden, dtype_bytes)
     layers = math.ceil(shape.layers / d.pp)
     # TP: two all-reduces per block in forward, two in backward, per micro-batch, inside a TP group.
     tp_calls = 4 * layers * grad_accum
-    tp_s = call("all_reduce", activation * tp_calls, d.tp, tp_calls, span=d.tp)
+    tp_s = call("all_reduce", activation * tp_calls, tp_group, tp_calls)
     # PP: each microbatch's activations forward and their gradients back, between two stages.
     pp_calls = 2 * microbatches * grad_accum
-    pp_s = call("broadcast", activation / microbatches * pp_calls, 2, pp_calls) if d.pp > 1 else 0.0
+    pp_s = call("broadcast", activation / microbatches * pp_calls, pp_group, pp_calls) if d.pp > 1 else 0.0
     return Comm(dp_s, tp_s, pp_s, made, tail)
 
 
@@ -433,7 +476,8 @@ class Hardware:
     intra: dict[str, Link]
     """α–β per collective inside a node."""
     inter: dict[str, Link]
-    """α–β per collective across nodes."""
+    """α–β per collective across nodes, every rank of each node in the collective (nccl-tests
+    across full nodes: the node's NICs together)."""
     seconds_per_sample: float
     """Forward + backward + step compute of one sample on one device."""
     cores: int | None = None
@@ -443,6 +487,11 @@ class Hardware:
     overhead_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Per strategy: what its wrapper adds to one micro-batch step, measured on one rank
     (training/overhead.py); a strategy not in it (a what-if cluster, pp) is taken to add nothing."""
+    inter_single: dict[str, Link] = dataclasses.field(default_factory=dict)
+    """α–β per collective across nodes with one rank per node (the data-parallel group of a
+    node-local TP layout): what one rank's share of the node's NICs carries. Measured by the
+    bandwidth stage where there are several ranks per node; else (a preset) the node's figure over
+    its devices: one NIC per GPU, as DGX-class nodes are built."""
 
     def contention(self, world: int) -> float:
         """How much slower one rank's CPU work runs when `world` ranks run: 1 on GPUs; on a CPU
@@ -459,15 +508,36 @@ class Hardware:
         """The strategy's per-micro-batch overhead on one rank of `world` (none unwrapped, at 1)."""
         return self.overhead_s.get(strategy, 0.0) * self.contention(world) if world > 1 else 0.0
 
-    def link(self, collective: str, ranks: int) -> Link:
-        """The fitted link for `collective` over `ranks`; with nothing measured (a world of one)
-        only single-rank calls, which cost nothing, can be asked for."""
-        links = self.intra if ranks <= self.devices_per_node else self.inter
-        found = links.get(collective) or links.get("all_reduce")
+    def link(self, collective: str, group: Group) -> Link:
+        """The α–β model of `collective` over `group`, on the tier it crosses. Inside a node: the
+        intra-node fit. Across nodes, as NCCL's hierarchical algorithms run it: the bandwidth of the
+        NICs the group's ranks of a node bring (each rank its share: inter_single per rank, at most
+        the full node's figure), the latency of the hops across nodes. With nothing measured (a
+        world of one) only single-rank calls, which cost nothing, can be asked for."""
+        if group.nodes <= 1:
+            found = _pick(self.intra, collective) or _pick(self.inter, collective)
+        else:
+            full = _pick(self.inter, collective) or _pick(self.intra, collective)
+            found = None if full is None else self._across(collective, full, group)
         if found is None:
-            assert ranks <= 1, "no bandwidth measured: nothing to predict beyond one device"
+            assert group.ranks <= 1, "no bandwidth measured: nothing to predict beyond one device"
             return Link(alpha_s=0.0, busbw_gbps=float("inf"), world=1)
         return found
+
+    def _across(self, collective: str, full: Link, group: Group) -> Link:
+        """A group spanning nodes: `per_node` ranks' NIC shares, at most the full node's busbw;
+        the latency of the full-node fit (several ranks per node: a hierarchical ring), or of one
+        rank per node, at this group's size."""
+        single = _pick(self.inter_single, collective) or Link(
+            full.alpha_s, full.busbw_gbps / max(self.devices_per_node, 1), full.world)
+        busbw = min(full.busbw_gbps, single.busbw_gbps * group.per_node)
+        alpha = (full if group.per_node > 1 else single).alpha_at(group.ranks)
+        return Link(alpha_s=alpha, busbw_gbps=busbw, world=group.ranks)
+
+
+def _pick(links: dict[str, Link], collective: str) -> Link | None:
+    """The fit for `collective`, else all_reduce's (the one every probe and preset has)."""
+    return links.get(collective) or links.get("all_reduce")
 
 
 @dataclass(frozen=True)
@@ -729,7 +799,7 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: ParallelDims, mem
     name = name or flavour
     devices = d.world_size
     comm = comm_time(w.shape, flavour, d, w.micro_batch, w.grad_accum, w.microbatches, w.precision, hw.link,
-                     w.bucket_cap_bytes, w.clip)
+                     w.bucket_cap_bytes, w.clip, hw.devices_per_node)
     per_sample = w.seconds_per_sample if w.seconds_per_sample is not None else hw.seconds_per_sample
     compute = per_sample * hw.contention(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp)
     overhead = hw.strategy_overhead(flavour, devices) * w.grad_accum

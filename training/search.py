@@ -37,6 +37,9 @@ from training.units import GIB
 
 TOP = 10
 TIE = 0.01
+NODE_LOCAL = 0.05
+"""How much faster a layout whose TP group crosses nodes must be predicted to be to be recommended
+over a node-local one (search.rank)."""
 
 
 @dataclass(frozen=True)
@@ -252,7 +255,7 @@ def search(space: Space, shape: Shape, hw: Hardware, tokens_per_sample: int, mod
                         fitted = fitted or best.fits
                 if fitted:
                     break  # a smaller micro-batch of this layout and setting can only be slower
-    return Searched(rank(kept), evaluated)
+    return Searched(rank(kept, space.devices_per_node), evaluated)
 
 
 def _candidate(p: Prediction, flavour: str, d: ParallelDims, w: Workload, variant: Variant, schedule: str,
@@ -283,9 +286,18 @@ def _simplicity(c: Candidate) -> tuple:
             c.dims["tp"], c.dims["pp"], -c.bucket_cap_mb)
 
 
-def rank(candidates: list[Candidate]) -> list[Candidate]:
+def crosses_nodes(c: Candidate, devices_per_node: int | None) -> bool:
+    """Whether the candidate's tensor-parallel group spans nodes (it is the innermost dimension:
+    its ranks are neighbours, so it crosses exactly when it is larger than a node)."""
+    return devices_per_node is not None and c.dims["tp"] > devices_per_node
+
+
+def rank(candidates: list[Candidate], devices_per_node: int | None = None) -> list[Candidate]:
     """Fitting candidates first, by predicted tokens/s; within 1 % of a faster one, the simpler
-    layout first. Then the ones that don't fit, by the memory they need."""
+    layout first, and a node-local layout before one whose TP group crosses nodes when it is within
+    NODE_LOCAL of it (practice keeps TP inside the NVLink domain: Megatron-Core, torchtitan and
+    Llama 3 run TP <= 8; the model's α–β tiers may miss what crossing costs). Then the ones that
+    don't fit, by the memory they need."""
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: -c.tokens_per_s)
     ordered: list[Candidate] = []
     while fitting:
@@ -294,6 +306,12 @@ def rank(candidates: list[Candidate]) -> list[Candidate]:
         best = min(tied, key=_simplicity)
         ordered.append(best)
         fitting.remove(best)
+    if ordered and crosses_nodes(ordered[0], devices_per_node):
+        local = next((c for c in ordered if not crosses_nodes(c, devices_per_node)
+                      and c.tokens_per_s >= (1 - NODE_LOCAL) * ordered[0].tokens_per_s), None)
+        if local is not None:
+            ordered.remove(local)
+            ordered.insert(0, local)
     rest = sorted((c for c in candidates if not c.fits), key=lambda c: c.memory_per_device_bytes)
     return ordered + rest
 

@@ -33,3 +33,30 @@ def test_world_of_one_measures_nothing() -> None:
     assert result.largest_all_reduce_busbw_gbps is None
     assert result.verdict.startswith("not measured")
     assert result.headline() == f"not measured: {SKIPPED_WORLD_1}"
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_ranks_probe_both_tiers(tmp_path) -> None:
+    """nodes=2 x procs_per_node=2: each node's own pair (the intra-node tier) and one rank of each
+    node (the inter-node tier) are measured too, every group of a tier at once; the plan fits one
+    link per tier from them (stages/plan.py: measured_tiers)."""
+    from pipelines.launchers.base import Task, WorldSpec
+    from pipelines.launchers.local import LocalLauncher
+    from pipelines.schema import LauncherConfig
+    from stages.plan import measured_tiers
+
+    cfg = BandwidthConfig(min_bytes=1024, max_bytes=65536, factor=8, iters=3, warmup_iters=1,
+                          collectives=["all_reduce", "all_gather"])
+    task = Task(stage="bandwidth", fn="stages.bandwidth:run", inputs=BandwidthInputs(cfg, nodes=2, procs_per_node=2),
+                workdir=tmp_path)
+    result = LocalLauncher(LauncherConfig(timeout_s=60)).run(task, WorldSpec(2, 2))
+    assert (result.world_size, result.nodes, result.procs_per_node) == (4, 2, 2)
+    sizes = [(m.collective, m.bytes) for m in result.results]
+    for tier in (result.node_results, result.spread_results):
+        assert [m.collective for m in tier] == [c for c, _ in sizes], "the same collectives and sizes per tier"
+        for m in tier:
+            assert m.time_us > 0 and m.busbw_gbps == pytest.approx(m.algbw_gbps * bus_factor(m.collective, 2))
+    tiers = measured_tiers(result)
+    assert tiers["devices_per_node"] == 2 and {"intra", "inter", "inter_single"} <= tiers.keys()
+    assert tiers["intra"]["all_reduce"].world == 2 and tiers["inter"]["all_reduce"].world == 4
+    assert any(key.startswith("comm/node/all_reduce/") for key, _, _ in result.metrics())
