@@ -139,6 +139,10 @@ class StrategyConfig:
     """Tensor-parallel degree; null takes the preset (`tp`: all ranks, others 1)."""
     pp: int | None = None
     """Pipeline stages; null takes the preset (`pp`: all ranks, others 1)."""
+    cp: int | None = None
+    """Context-parallel degree: each sequence split over this many ranks (load-balanced for causal
+    attention, K/V all-gathered per layer; training/parallel/cp.py); null takes the preset (1);
+    -1 means the leftover ranks. The sequence length must be a multiple of 2 x cp."""
     microbatches: int = 2
     """Pipeline microbatches per micro-batch (pp > 1); must divide the micro-batch."""
     pp_schedule: str = "gpipe"
@@ -160,7 +164,7 @@ class StrategyConfig:
 
     def __post_init__(self) -> None:
         _one_of("name", self.name, strategies.names())
-        for key in ("dp_replicate", "dp_shard", "tp", "pp"):
+        for key in (*DEGREES, "cp"):
             value = getattr(self, key)
             if value is not None and (value == 0 or value < -1):
                 raise ConfigError(key, value, "must be >= 1, -1 (the leftover ranks) or null (the preset)")
@@ -171,9 +175,15 @@ class StrategyConfig:
         _at_least("bucket_cap_mb", self.bucket_cap_mb, 1e-3, "a number")
 
     def degrees(self) -> dict[str, int]:
-        """dp_replicate, dp_shard, tp, pp: the explicit ones, else the strategy's preset."""
+        """dp_replicate, dp_shard, tp, pp: the explicit ones, else the strategy's preset (cp apart,
+        `cp_degree`: what reads these four reads them as before)."""
         preset = strategies.get(self.name).degrees
         return {k: getattr(self, k) if getattr(self, k) is not None else preset[k] for k in DEGREES}
+
+    @property
+    def cp_degree(self) -> int:
+        """The context-parallel degree: `cp`, else the strategy's preset (1; -1: the leftover ranks)."""
+        return self.cp if self.cp is not None else strategies.get(self.name).degrees.get("cp", 1)
 
     @property
     def shards_optimizer_only(self) -> bool:

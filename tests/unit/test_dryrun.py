@@ -41,7 +41,7 @@ def test_8_rank_3d_layout_has_one_share_per_pipeline_stage():
 
 def test_64_rank_hsdp_with_tp():
     (share,) = plan_layout(SMALL, StrategyConfig(name="hybrid", dp_replicate=2, dp_shard=8, tp=4), 64)
-    assert share.coordinates == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 0, "dp": 0}
+    assert share.coordinates == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0, "dp": 0}
     assert FULL_PARAM_BYTES / 32 < share.param_bytes < FULL_PARAM_BYTES / 8
 
 

@@ -1,14 +1,21 @@
 """Degrees -> DeviceMesh (torchtitan's ParallelDims).
 
-A strategy is four degrees: pp x dp_replicate x dp_shard x tp = world size. One degree may be
+A strategy is five degrees: pp x dp_replicate x dp_shard x cp x tp = world size. One degree may be
 -1, meaning "the ranks left over". The mesh is laid out outermost-first as (pp, dp_replicate,
-dp_shard, tp), so that tp, the most communication-hungry, spans neighbouring ranks (the same
-node), and pp, the least, spans the farthest.
+dp_shard, cp, tp), as torchtitan lays it out, so that tp, the most communication-hungry, spans
+neighbouring ranks (the same node), cp (K/V exchanged every layer) comes next, and pp, the least,
+spans the farthest.
+
+Context-parallel ranks see the same samples (a different part of each sequence) and hold the same
+parameters: they are not data-parallel ranks (dp_size excludes cp), but their gradients must be
+reduced together, so the gradient wrappers treat cp as one more data-parallel dimension
+(torchtitan's `dp_shard_cp`: FSDP shards over dp_shard x cp).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,23 +24,27 @@ if TYPE_CHECKING:
 
     from training.config import StrategyConfig
 
-DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The four degrees of a layout. The cost model predicts with them, the parallel code builds
-    its mesh from them: one class for both."""
+    """The degrees of a layout. The cost model predicts with them, the parallel code builds its
+    mesh from them: one class for both. `cp` comes last so that positional constructions of the
+    four older degrees keep their meaning."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    """Context-parallel degree: the ranks each sequence is split over (load-balanced for causal
+    attention; training/parallel/cp.py)."""
 
     @classmethod
-    def resolve(cls, dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int) -> ParallelDims:
+    def resolve(cls, dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int, cp: int = 1) -> ParallelDims:
         """Fill in the one -1 degree; ValueError when the degrees can't make `world_size`."""
-        degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
+        degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp}
         for name, value in degrees.items():
             if value == 0 or value < -1:
                 raise ValueError(f"strategy.{name}={value}: a degree must be >= 1, or -1 for the leftover ranks")
@@ -50,15 +61,17 @@ class ParallelDims:
             degrees[free[0]] = world_size // fixed
         product = math.prod(degrees.values())
         if product != world_size:
+            # cp is named only when set: the four-degree sentence stays what layouts without it read.
+            names = [n for n in DIM_NAMES if n != "cp" or degrees["cp"] != 1]
             raise ValueError(
-                f"strategy degrees pp x dp_replicate x dp_shard x tp = {degrees['pp']} x {degrees['dp_replicate']} x "
-                f"{degrees['dp_shard']} x {degrees['tp']} = {product}, but the world size is {world_size}"
+                f"strategy degrees {' x '.join(names)} = {' x '.join(str(degrees[n]) for n in names)} = {product}, "
+                f"but the world size is {world_size}"
             )
         return cls(**degrees)
 
     @property
     def world_size(self) -> int:
-        return self.dp_size * self.tp * self.pp
+        return self.dp_size * self.cp * self.tp * self.pp
 
     @property
     def dp_size(self) -> int:
@@ -74,6 +87,10 @@ class ParallelDims:
         return self.tp > 1
 
     @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
     def fsdp_enabled(self) -> bool:
         return self.dp_shard > 1
 
@@ -82,33 +99,86 @@ class ParallelDims:
         return self.dp_replicate > 1
 
     @property
+    def shard_degree(self) -> int:
+        """The ranks FSDP shards over: dp_shard x cp (torchtitan's `dp_shard_cp`: CP ranks hold the
+        same parameters, so their gradients are reduced, and their states sharded, together)."""
+        return self.dp_shard * self.cp
+
+    @property
     def uses_fsdp(self) -> bool:
-        """Whether the trainer wraps this layout in FSDP2: to shard (dp_shard), and to replicate a
-        tensor-parallel model (DDP cannot replicate DTensor parameters: HSDP does)."""
-        return self.fsdp_enabled or (self.dp_replicate_enabled and self.tp_enabled)
+        """Whether the trainer wraps this layout in FSDP2: to shard (dp_shard, and cp as torchtitan
+        does), and to replicate a tensor-parallel model (DDP cannot replicate DTensor parameters:
+        HSDP does). A DDP strategy (ddp, zero1) with cp > 1 replicates over the CP ranks instead
+        (training/parallel/compose.py)."""
+        return self.shard_degree > 1 or (self.dp_replicate_enabled and self.tp_enabled)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The degrees in DIM_NAMES order (outermost first)."""
+        return tuple(getattr(self, name) for name in DIM_NAMES)
 
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
-        """The 4-D mesh over the default process group, and its flattened data-parallel mesh
+        """The 5-D mesh over the default process group, and its flattened data-parallel mesh
         (dp_replicate x dp_shard: every rank that sees different data)."""
         from torch.distributed.device_mesh import init_device_mesh  # torch is imported only when used
 
-        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES)
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's index along each dimension, and along the flattened dp."""
         out = {}
         rest = rank
-        for name, size in reversed(list(zip(DIM_NAMES, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
-                                            strict=True))):
+        for name, size in reversed(list(zip(DIM_NAMES, self.shape, strict=True))):
             out[name] = rest % size
             rest //= size
         out["dp"] = out["dp_replicate"] * self.dp_shard + out["dp_shard"]
         return out
 
 
+def gradient_dims(dims: ParallelDims, cp_replicates: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The mesh dimensions gradients are reduced over, as (replicate, shard). CP ranks hold the
+    same parameters, so they join the shard dimensions (FSDP over dp_shard x cp, torchtitan's
+    `dp_shard_cp`), or the replicate ones when `cp_replicates` (DDP strategies: every rank a whole
+    replica)."""
+    replicate, shard = ("dp_replicate",), ("dp_shard",)
+    if dims.cp_enabled:
+        replicate, shard = (replicate + ("cp",), shard) if cp_replicates else (replicate, shard + ("cp",))
+    return replicate, shard
+
+
+def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims, cp_replicates: bool = False) -> DeviceMesh:
+    """FSDP's mesh: (replicate, shard) for HSDP when anything replicates, else the shard
+    dimension alone; without cp, the mesh's own dp_replicate and dp_shard dimensions."""
+    replicate, shard = gradient_dims(dims, cp_replicates)
+    if math.prod(getattr(dims, name) for name in replicate) > 1:
+        return _slice_2d(mesh, _flatten(mesh, replicate), _flatten(mesh, shard))
+    return _flatten(mesh, shard)
+
+
+def ddp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """DDP's mesh: dp_replicate, and the CP ranks with it (each a whole replica)."""
+    replicate, _ = gradient_dims(dims, cp_replicates=True)
+    return _flatten(mesh, replicate)
+
+
+def _flatten(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """`names` as one dimension: the mesh's own, or flattened (named `dp_shard_cp`; flattening the
+    same dimensions under the same name again is a no-op in torch)."""
+    return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
+
+
+def _slice_2d(mesh: DeviceMesh, outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:
+    """The 2-D (outer, inner) submesh of `mesh`. Sliced from the root, flattened dimensions and all,
+    so that FSDP's HSDP mesh and the TP mesh share one root (FSDP2 + TP needs it); torch warns that
+    slicing a flattened dimension will be deprecated, and has no other way to build it yet."""
+    names = (outer.mesh_dim_names[0], inner.mesh_dim_names[0])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh[names]
+
+
 def resolve_dims(strategy: StrategyConfig, world: int) -> ParallelDims:
     """A strategy's degrees on `world` ranks (shapes only: no process group, no torch)."""
     d = strategy.degrees()
-    return ParallelDims.resolve(d["dp_replicate"], d["dp_shard"], d["tp"], d["pp"], world)
+    return ParallelDims.resolve(d["dp_replicate"], d["dp_shard"], d["tp"], d["pp"], world, cp=strategy.cp_degree)

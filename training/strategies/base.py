@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from training.config import StrategyConfig
     from training.parallel.dims import ParallelDims
 
+DEGREE_NAMES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
 SHARDABLE = ("optimizer", "gradients", "parameters")
 """What data parallelism can shard across its ranks (ZeRO's stages 1, 2 and 3)."""
 
@@ -27,7 +28,8 @@ class Strategy:
     summary: str
     """One line for the docs and `python run.py --help`-style listings."""
     degrees: Mapping[str, int]
-    """Preset dp_replicate, dp_shard, tp, pp; -1 takes the ranks left over."""
+    """Preset dp_replicate, dp_shard, tp, pp and cp; -1 takes the ranks left over. A declaration
+    that names only the first four (written before context parallelism) gets cp=1."""
     wrapper: str | None
     """The data-parallel wrapper it applies of its own: `ddp` (DDP over dp_replicate), `fsdp`
     (FSDP2 over dp_shard, HSDP with dp_replicate too) or None (the degrees decide: FSDP when
@@ -51,8 +53,10 @@ class Strategy:
         unknown = set(self.shards) - set(SHARDABLE)
         if unknown:
             raise ValueError(f"strategy {self.name}: cannot shard {sorted(unknown)}; shardable: {SHARDABLE}")
-        if sorted(self.degrees) != sorted(("dp_replicate", "dp_shard", "tp", "pp")):
-            raise ValueError(f"strategy {self.name}: degrees must name dp_replicate, dp_shard, tp and pp")
+        if sorted(self.degrees) == sorted(DEGREE_NAMES[:4]):
+            object.__setattr__(self, "degrees", {**self.degrees, "cp": 1})  # frozen: set once, here
+        if sorted(self.degrees) != sorted(DEGREE_NAMES):
+            raise ValueError(f"strategy {self.name}: degrees must name dp_replicate, dp_shard, tp, pp (and cp)")
 
     @property
     def shards_optimizer_only(self) -> bool:
