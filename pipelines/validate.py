@@ -217,7 +217,7 @@ def keep_contract_facts(cfg: Config) -> None:
 def _check_degrees(cfg: Config, gpus: int | None) -> ParallelDims:
     s = cfg.strategy
     try:
-        dims = ParallelDims.resolve(**s.degrees(), world_size=cfg.nodes * cfg.procs_per_node)
+        dims = ParallelDims.resolve(**s.degrees(), world_size=cfg.nodes * cfg.procs_per_node, cp=s.cp_degree)
     except ValueError as err:
         raise ConfigError("strategy", s.name, str(err)) from None
     if s.precision == "fp16" and gpus == 0 and cfg.cluster.measured:
@@ -250,6 +250,30 @@ def _check_strategy(cfg: Config, dims: ParallelDims, facts: ContractFacts) -> No
     if s.activation_checkpointing == "full" and facts.blocks == 0:
         raise ConfigError("strategy.activation_checkpointing", "full", f"model={model} has no repeated blocks to "
                           "checkpoint: name them with model.blocks=<dotted path of the list>")
+    if dims.cp > 1:
+        _check_cp(cfg, dims.cp, facts)
+
+def _check_cp(cfg: Config, cp: int, facts: ContractFacts) -> None:
+    """Context parallelism splits token sequences and the attention that goes through
+    torch.nn.functional.scaled_dot_product_attention (training/parallel/cp.py)."""
+    model, data = cfg.model.name, cfg.data.name
+    if facts.item == "dict":
+        raise ConfigError("strategy.cp", cp, f"splits (input, target) token batches; data={data} gives dicts "
+                          "(labels shifted inside the model, across the split): use cp=1")
+    if facts.tokens_per_sample <= 1:
+        raise ConfigError("strategy.cp", cp, f"splits sequences, and the inputs of data={data} have no sequence "
+                          "dimension (not integer token ids): use cp=1")
+    if facts.attention_calls == 0:
+        raise ConfigError("strategy.cp", cp, f"model={model} never calls torch.nn.functional."
+                          "scaled_dot_product_attention, the attention context parallelism splits: use cp=1")
+    if not facts.takes_position_ids:
+        raise ConfigError("strategy.cp", cp, f"model={model}'s forward takes no position_ids, and each rank holds "
+                          "tokens of other positions than 0..t-1: add position_ids= (Hugging Face's convention)")
+    if facts.tokens_per_sample % (2 * cp):
+        raise ConfigError("strategy.cp", cp, f"model={model} trains on sequences of {facts.tokens_per_sample} "
+                          f"tokens (seq_len), which must be a multiple of 2 x cp = {2 * cp}: each rank takes "
+                          f"chunks i and {2 * cp}-1-i of {2 * cp} equal chunks")
+
 
 
 def _check_batches(cfg: Config, dims: ParallelDims, facts: ContractFacts) -> None:

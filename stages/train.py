@@ -123,7 +123,7 @@ class TrainResult:
     strategy_from_plan: bool
     """True when strategy=auto took the plan's recommendation."""
     dims: list[int]
-    """Degrees dp_replicate, dp_shard, tp, pp."""
+    """Degrees dp_replicate, dp_shard, tp, pp (cp apart, below: summaries written before it read the same)."""
     precision: str
     activation_checkpointing: str
     world_size: int
@@ -174,6 +174,8 @@ class TrainResult:
     mfu_peak_precision: str | None = None
     """The datasheet peak MFU divides by: `bf16`, `fp16`, or for fp32 `tf32` (train.tf32 on CUDA)
     or `fp32`; None without MFU or when train.peak_flops sets the peak."""
+    cp: int = 1
+    """Context-parallel degree: the ranks each sequence was split over."""
 
     def metrics(self) -> list[tuple[str, float, int]]:
         out = [("train/loss", loss, step) for step, loss in enumerate(self.losses, 1)]
@@ -268,9 +270,10 @@ def resolve_strategy(strategy: StrategyConfig, train: TrainConfig, plan: PlanRes
     if sharded_baseline:
         if strategy.name == "auto" and chosen is not None:
             strategy, train = candidate_settings(chosen, strategy, train, 1)
-        return dataclasses.replace(one_device(strategy), name=SHARDED, dp_shard=-1), train, None
+        return dataclasses.replace(one_device(strategy), name=SHARDED, dp_shard=-1, cp=None), train, None
     if strategy.name != "auto" or chosen is None:
-        return (strategy if world > 1 else one_device(strategy)), train, None
+        # cp=None: a one-device baseline splits no sequence (one_device predates context parallelism).
+        return (strategy if world > 1 else dataclasses.replace(one_device(strategy), cp=None)), train, None
     return (*candidate_settings(chosen, strategy, train, world), chosen)
 
 
@@ -357,6 +360,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
         strategy=strategy.name,
         strategy_from_plan=chosen is not None,
         dims=[dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp],
+        cp=dims.cp,
         precision=strategy.precision,
         activation_checkpointing=strategy.activation_checkpointing,
         world_size=world,

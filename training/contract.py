@@ -11,6 +11,7 @@ learns (`ContractFacts`) is what the config checks need to hold a strategy again
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,11 @@ class ContractFacts:
     """Why the model can't be split into pipeline stages; None when it declares the layout."""
     checked_on: str
     """`cpu` (a real batch ran) or `meta` (shapes only: the model is too large to run here)."""
+    attention_calls: int = 0
+    """Calls of torch.nn.functional.scaled_dot_product_attention in one forward: the attention
+    context parallelism can split (0: none it can)."""
+    takes_position_ids: bool = False
+    """The model's forward accepts `position_ids=` (what context parallelism passes)."""
 
 
 def _one_line(err: BaseException) -> str:
@@ -83,6 +89,8 @@ def describe(model_cfg: ModelConfig, data_cfg: DataConfig, seed: int) -> Contrac
     """Check the model and data contract; its facts, or ConfigError (see the module docstring)."""
     import torch
 
+    from training.parallel.cp import count_attention_calls, takes_position_ids
+
     check_factory("model", model_cfg.target, model_cfg.kwargs)
     check_factory("data", data_cfg.target, data_cfg.kwargs)
     if model_cfg.loss is not None:
@@ -96,8 +104,10 @@ def describe(model_cfg: ModelConfig, data_cfg: DataConfig, seed: int) -> Contrac
         model = _model(model_cfg, seed, torch.device("cpu"))
     batch = _collate(items, data_cfg, torch.device(checked_on))
     _check_vocabulary(model, dataset, model_cfg, data_cfg)
-    _check_forward(model, model_cfg, data_cfg, batch)
-    return _declarations(model, model_cfg, data_cfg, dataset, batch, params, checked_on)
+    with count_attention_calls() as attention:
+        _check_forward(model, model_cfg, data_cfg, batch)
+    facts = _declarations(model, model_cfg, data_cfg, dataset, batch, params, checked_on)
+    return dataclasses.replace(facts, attention_calls=attention.calls, takes_position_ids=takes_position_ids(model))
 
 
 def _dataset(cfg: DataConfig) -> Any:

@@ -1,7 +1,8 @@
 """One model-agnostic `apply_<technique>` per parallelism, composed here in torchtitan's order:
 PP split -> TP -> activation checkpointing -> FSDP (ZeRO-2/3, HSDP) or DDP (with ZeRO-1's
-sharded optimizer for zero1). Each technique reads what the model declared (its ModelSpec), never
-a module name of its own.
+sharded optimizer for zero1); context parallelism splits each batch's sequences and swaps the
+attention while a step runs (training/parallel/cp.py). Each technique reads what the model
+declared (its ModelSpec), never a module name of its own.
 
 `parallelize` returns a `Parallel`: this rank's part of the model and the few operations the
 training loop needs, so that the loop itself is the same for every strategy.
@@ -24,8 +25,9 @@ from training.models import Batch, LossFn, forward
 from training.models.spec import ModelSpec
 from training.models.weights import Weights
 from training.parallel.ac import apply_ac
+from training.parallel.cp import ContextParallel
 from training.parallel.ddp import BucketTimer, apply_ddp, time_buckets
-from training.parallel.dims import ParallelDims, resolve_dims  # noqa: F401 - re-exported
+from training.parallel.dims import ParallelDims, ddp_mesh, fsdp_mesh, resolve_dims  # noqa: F401 - re-exported
 from training.parallel.fsdp import apply_fsdp
 from training.parallel.materialize import materialize
 from training.parallel.pp import apply_pp, build_schedule, is_first, is_last
@@ -57,6 +59,8 @@ class Parallel:
     masters: dict[nn.Parameter, torch.Tensor]
     """bf16 parameter -> the fp32 parameter it was cast from (layouts without FSDP in bf16): the
     optimizer's master weights (training/optim.py). Empty where the parameters are their own."""
+    cp: ContextParallel | None = None
+    """This rank's context parallelism (cp > 1): its split of the sequence, its K/V traffic."""
 
     @property
     def loss_owners(self) -> int:
@@ -72,17 +76,27 @@ class Techniques:
     tp: bool
     fsdp: bool
     ddp: bool
+    cp: bool = False
+    cp_replicates: bool = False
+    """The CP ranks are replicas of the gradient wrapper (DDP strategies), not FSDP shards."""
 
 
 def techniques(strategy: StrategyConfig, dims: ParallelDims, probe: bool = False) -> Techniques:
     """The techniques of `strategy` at `dims`. `probe`: apply the strategy's wrappers even at degree
-    1 (the overhead probe measures them on a one-rank group)."""
+    1 (the overhead probe measures them on a one-rank group).
+
+    CP ranks hold the same parameters, so the gradient wrapper reduces over them too: FSDP shards
+    over dp_shard x cp (torchtitan), except under a DDP strategy (ddp, zero1), whose promise is a
+    whole replica per rank: there they are more replicas (DDP over dp_replicate x cp)."""
     named = probe and dims.world_size == 1
     declared = strategies.get(strategy.name)
+    cp_replicates = dims.cp_enabled and declared.wrapper == "ddp"
+    replicas = dims.dp_replicate * (dims.cp if cp_replicates else 1)
+    shards = dims.dp_shard * (1 if cp_replicates else dims.cp)
     tp = dims.tp_enabled or (named and declared.degrees["tp"] == -1)
-    fsdp = dims.uses_fsdp or (named and declared.wrapper == "fsdp")
-    ddp = not fsdp and (dims.dp_replicate_enabled or (named and declared.wrapper == "ddp"))
-    return Techniques(pp=dims.pp_enabled, tp=tp, fsdp=fsdp, ddp=ddp)
+    fsdp = shards > 1 or (replicas > 1 and dims.tp_enabled) or (named and declared.wrapper == "fsdp")
+    ddp = not fsdp and (replicas > 1 or (named and declared.wrapper == "ddp"))
+    return Techniques(pp=dims.pp_enabled, tp=tp, fsdp=fsdp, ddp=ddp, cp=dims.cp_enabled, cp_replicates=cp_replicates)
 
 
 def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev: torch.device, loss: LossFn,
@@ -97,8 +111,11 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
     dims = resolve_dims(strategy, world_size())
     use = techniques(strategy, dims, probe)
     dtype = DTYPES[strategy.precision]
-    wrapped = use.tp or use.fsdp or use.ddp or use.pp
+    wrapped = use.tp or use.fsdp or use.ddp or use.pp or use.cp
     mesh, dp_mesh = dims.build_mesh(dev.type) if is_dist() and wrapped else (None, None)
+    cp = ContextParallel(mesh["cp"].get_group(), mesh["cp"].get_local_rank(), dims.cp) if use.cp else None
+    if cp is not None:
+        cp.install(model)  # the module whose forward takes position_ids (a wrapper's forward passes them on)
     first = last = True
     if use.pp:
         model = apply_pp(model, spec.layout(model), mesh["pp"])
@@ -110,7 +127,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
     dp_group = None
     masters: dict[nn.Parameter, torch.Tensor] = {}
     if use.fsdp:
-        shard_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate_enabled else mesh["dp_shard"]
+        shard_mesh = fsdp_mesh(mesh, dims, use.cp_replicates)
         apply_fsdp(model, spec.live_blocks(), shard_mesh, strategy.reshard, dtype)
         dp_group = dp_mesh.get_group()
     if spec.pending is not None and not layout_only:
@@ -123,7 +140,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
         # FSDP's numerics without FSDP: bf16 parameters, the fp32 ones kept as the optimizer's masters.
         masters = apply_low_precision(model, dtype)
     if use.ddp:
-        dp_group = mesh["dp_replicate"].get_group() if mesh is not None else None
+        dp_group = ddp_mesh(mesh, dims).get_group() if mesh is not None else None
         if not layout_only:
             model = apply_ddp(model, dev, strategy.bucket_cap_mb, strategy.find_unused_parameters or dims.pp_enabled,
                               process_group=dp_group, force=probe)
@@ -142,12 +159,14 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
         forward_backward = _pipeline_step(schedule, loss_box, first, last, dev, ctx, scaler)
     else:
         forward_backward = _plain_step(model, loss, ctx, scaler)
+    if cp is not None:
+        forward_backward = cp.wrap(forward_backward)
     no_sync = getattr(model, "no_sync", None) or contextlib.nullcontext
     if use.fsdp:
         no_sync = _fsdp_no_sync(model)
     timer = time_buckets(model) if strategy.time_buckets else None
     return Parallel(dims, model, coords["dp"], first, last, forward_backward, no_sync, pp_group, scaler,
-                    strategy.shards_optimizer_only, dp_group, timer, masters)
+                    strategy.shards_optimizer_only, dp_group, timer, masters, cp)
 
 
 class _ScaledLoss:

@@ -55,7 +55,8 @@ def rank_share(model_cfg: ModelConfig, strategy: StrategyConfig, world: int, ran
         stored, _, optim = state_bytes(parallel.model, optimizer)
         held = stored
         if dims.uses_fsdp and keeps_gathered(strategy.name, strategy.reshard):
-            gathered = sum(p.to_local().numel() for p in parallel.model.parameters()) * dims.dp_shard
+            # FSDP shards over dp_shard x cp (training/parallel/dims.py): a unit gathers from all of them.
+            gathered = sum(p.to_local().numel() for p in parallel.model.parameters()) * dims.shard_degree
             held += gathered * COMPUTE_BYTES[strategy.precision]
         return RankShare(rank, dims.coordinates(rank), held, stored, optim, len(spec.live_blocks()))
     finally:
@@ -68,13 +69,17 @@ def plan_layout(model_cfg: ModelConfig, strategy: StrategyConfig, world: int) ->
 
 def format_layout(shares: list[RankShare], strategy: StrategyConfig, world: int) -> str:
     dims = resolve_dims(strategy, world)
+    cp = f" x cp {dims.cp}" if dims.cp_enabled else ""
     lines = [
         f"dry run: strategy={strategy.name} world={world} = pp {dims.pp} x dp_replicate {dims.dp_replicate} x "
-        f"dp_shard {dims.dp_shard} x tp {dims.tp} (fake process group, meta device)",
+        f"dp_shard {dims.dp_shard}{cp} x tp {dims.tp} (fake process group, meta device)",
         f"{'rank':>6}  {'pp':>3}  {'blocks':>6}  {'params GiB':>11}  {'grads GiB':>10}  {'optim GiB':>10}  {'total GiB':>10}",
     ]
     for s in shares:
         total = s.param_bytes + s.grad_bytes + s.optim_bytes
         lines.append(f"{s.rank:>6}  {s.coordinates['pp']:>3}  {s.layers:>6}  {s.param_bytes / GIB:>11.4f}  "
                      f"{s.grad_bytes / GIB:>10.4f}  {s.optim_bytes / GIB:>10.4f}  {total / GIB:>10.4f}")
+    if dims.cp_enabled:
+        lines.append(f"cp {dims.cp}: each sequence split over {dims.cp} ranks (load-balanced chunks, K/V all-gathered "
+                     "every layer); they hold the same parameters, their gradients reduced together")
     return "\n".join(lines)
