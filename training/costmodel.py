@@ -166,10 +166,10 @@ def states_per_param(strategy: str, d: ParallelDims, precision: str, reshard: bo
       (4 + 2, 4, 8); fp32: 4 + 4 + 8. DDP's gradients are views of its buckets: no second copy."""
     c = COMPUTE_BYTES[precision]
     if d.uses_fsdp:
-        n = d.dp_shard
+        n = d.shard_degree  # dp_shard x cp: context-parallel ranks hold the same parameters
         gathered = c if keeps_gathered(strategy, reshard) else 0.0
         return MASTER_BYTES / n + gathered, MASTER_BYTES / n, MOMENT_BYTES / n
-    sharded = d.dp_size if strategies.get(strategy).shards_optimizer_only else 1
+    sharded = d.dp_size * d.cp if strategies.get(strategy).shards_optimizer_only else 1
     if precision == "bf16":
         return c, c, (MASTER_BYTES + MOMENT_BYTES) / sharded
     autocast_copies = c if precision == "fp16" else 0
@@ -288,7 +288,8 @@ class Group:
 
 
 def group_of(d: ParallelDims, dim: str, devices_per_node: int | None) -> Group:
-    """The group of mesh dimension `dim` (`dp`: dp_replicate x dp_shard, flattened) in the layout
+    """The group of mesh dimension `dim` (`dp`: dp_replicate x dp_shard, flattened; `grad`: those
+    and cp, the ranks whose gradients are reduced together) in the layout
     `d` on nodes of `devices_per_node` ranks (None: one node holds them all). Its ranks are
     `stride` apart, stride being the product of the dimensions inside it, so a node holds
     devices_per_node // stride of them (at least one)."""
@@ -296,6 +297,8 @@ def group_of(d: ParallelDims, dim: str, devices_per_node: int | None) -> Group:
     sizes = {name: getattr(d, name) for name in names}
     if dim == "dp":
         ranks, inner = d.dp_size, names[names.index("dp_shard") + 1:]
+    elif dim == "grad":  # every rank that holds the same parameters: the data-parallel and cp ranks
+        ranks, inner = d.dp_size * d.cp, names[names.index("cp") + 1:]
     else:
         ranks, inner = sizes[dim], names[names.index(dim) + 1:]
     if devices_per_node is None:
@@ -338,7 +341,8 @@ class Comm:
     data_parallel_s: float
     """Gradient reduction and parameter gathering: can overlap with backward."""
     tensor_parallel_s: float
-    """Activation all-reduces inside every block: on the critical path."""
+    """Activation collectives inside every block (TP's all-reduces, or all-gathers and
+    reduce-scatters with sequence parallelism; CP's K/V all-gathers): on the critical path."""
     pipeline_s: float
     """Activations and their gradients sent between stages."""
     calls: int = 0
@@ -366,7 +370,8 @@ def fsdp_units(shape: Shape) -> int:
 
 def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, grad_accum: int, microbatches: int,
               precision: str, link: Callable[[str, Group], Link], bucket_cap_bytes: float = 25 * 1024**2,
-              clip: bool = False, devices_per_node: int | None = None) -> Comm:
+              clip: bool = False, devices_per_node: int | None = None, sequence_parallel: bool = False,
+              recompute: bool = False) -> Comm:
     """Per-step communication of each strategy in seconds (ZeRO's, Megatron's and GPipe's
     volumes, in the calls each implementation makes: every call pays the link's latency, which is
     what dominates a small model or a slow link); `link(collective, group)` is the α–β model of
@@ -379,9 +384,9 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
     stored = dtype_bytes if precision == "bf16" else MASTER_BYTES
     grads = (MASTER_BYTES if d.uses_fsdp else stored) * psi
     params = dtype_bytes * psi
-    n = d.dp_size
+    n = d.dp_size * d.cp  # context-parallel ranks' gradients are reduced with the data-parallel ones'
     units = fsdp_units(shape)
-    dp_group, tp_group = group_of(d, "dp", devices_per_node), group_of(d, "tp", devices_per_node)
+    dp_group, tp_group = group_of(d, "grad", devices_per_node), group_of(d, "tp", devices_per_node)
     # Neighbouring pipeline stages: two ranks a pp stride apart (another node once it exceeds one).
     pp_group = Group(2, 2 if group_of(d, "pp", devices_per_node).per_node > 1 else 1)
 
@@ -417,15 +422,31 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
         tail = link("all_reduce", dp_group).time("all_reduce", min(grads, bucket_cap_bytes), n)
         if strategies.get(strategy).shards_optimizer_only:  # then each rank broadcasts the partition it updated
             dp_s += call("broadcast", stored * psi, dp_group, n)
-    activation = activation_tensor_bytes(micro_batch, shape.seq_len, shape.hidden, dtype_bytes)
+    activation = activation_tensor_bytes(micro_batch, shape.seq_len, shape.hidden, dtype_bytes) / d.cp
     layers = math.ceil(shape.layers / d.pp)
-    # TP: two all-reduces per block in forward, two in backward, per micro-batch, inside a TP group.
+    # TP: two all-reduces per block in forward, two in backward, per micro-batch, inside a TP group
+    # (sequence parallelism: each an all-gather and a reduce-scatter of the same bus bytes).
     tp_calls = 4 * layers * grad_accum
-    tp_s = call("all_reduce", activation * tp_calls, tp_group, tp_calls)
+    if sequence_parallel:
+        tp_s = (call("all_gather", activation * tp_calls, tp_group, tp_calls)
+                + call("reduce_scatter", activation * tp_calls, tp_group, tp_calls))
+    else:
+        tp_s = call("all_reduce", activation * tp_calls, tp_group, tp_calls)
+    # CP: each block all-gathers this rank's K and V over the cp group in forward (again in backward
+    # under full recomputation) and reduce-scatters their gradients in backward: 2 x s x b x h / tp
+    # gathered per layer and micro-batch (training/parallel/cp.py; the gathered K/V are the
+    # heads SDPA sees: a model that expands grouped K/V heads before it gathers all of them).
+    cp_s = 0.0
+    if d.cp > 1:
+        kv = 2 * activation_tensor_bytes(micro_batch, shape.seq_len, shape.hidden, dtype_bytes) / d.tp
+        gathers = layers * grad_accum * (2 if recompute else 1)
+        cp_group = group_of(d, "cp", devices_per_node)
+        cp_s = (call("all_gather", kv * gathers, cp_group, gathers)
+                + call("reduce_scatter", kv * layers * grad_accum, cp_group, layers * grad_accum))
     # PP: each microbatch's activations forward and their gradients back, between two stages.
     pp_calls = 2 * microbatches * grad_accum
     pp_s = call("broadcast", activation / microbatches * pp_calls, pp_group, pp_calls) if d.pp > 1 else 0.0
-    return Comm(dp_s, tp_s, pp_s, made, tail)
+    return Comm(dp_s, tp_s + cp_s, pp_s, made, tail)
 
 
 # ---- step time ------------------------------------------------------------------------------
@@ -571,6 +592,9 @@ class Workload:
     """Gradient clipping (train.grad_clip): sharded gradients need one more all-reduce for the norm."""
     pp_schedule: str = "1f1b"
     """GPipe keeps every microbatch's activations until the backward; 1F1B at most one per stage."""
+    sequence_parallel: bool = False
+    """strategy.sequence_parallel: TP's activations all sharded, its all-reduces all-gathers and
+    reduce-scatters."""
 
 
 @dataclass(frozen=True)
@@ -735,29 +759,42 @@ def feasible(shape: Shape, d: ParallelDims, w: Workload) -> bool:
         return False
     if d.pp > 1 and (not shape.pipeline or d.pp > shape.layers or w.micro_batch % w.microbatches):
         return False
+    if d.cp > 1 and shape.seq_len % (2 * d.cp):  # two load-balanced chunks per cp rank
+        return False
     return True
 
 
 def activation_memory(w: Workload, d: ParallelDims) -> float:
     """The activations one rank holds at the start of backward, the loss's temporaries included.
 
-    TP divides only what its plan splits (no sequence parallelism). A pipeline stage holds its
-    share of the blocks' activations for the microbatches its schedule keeps in flight (GPipe: all
-    m; 1F1B: min(m, p) on the first stage, one on the last), and the last stage also what is saved
-    outside the blocks (the head, the loss) and the loss's temporaries, per microbatch in flight;
-    the higher of the first and the last stage."""
+    TP divides what its plan splits; with sequence parallelism the rest too (norms, residuals and
+    the split linears' inputs are sharded over the sequence: Korthikanti et al.'s 34sbh/t). CP
+    divides every token's activations by cp and adds the peers' K and V its attention keeps for
+    backward ((cp − 1)/cp of 2·s·h/t per layer and sample) and one causal mask of (s/cp)·s per
+    micro-batch (training/parallel/cp.py). A pipeline stage holds its share of the blocks'
+    activations for the microbatches its schedule keeps in flight (GPipe: all m; 1F1B: min(m, p)
+    on the first stage, one on the last), and the last stage also what is saved outside the blocks
+    (the head, the loss) and the loss's temporaries, per microbatch in flight; the higher of the
+    first and the last stage."""
     per_sample = w.activation_bytes_per_sample
     if d.tp > 1:
-        kept = w.activation_replicated_bytes_per_sample
+        kept = 0.0 if w.sequence_parallel else w.activation_replicated_bytes_per_sample
         per_sample = kept + (per_sample - kept) / d.tp
+    dtype = COMPUTE_BYTES[w.precision]
+    kv = mask = 0.0
+    if d.cp > 1:
+        per_sample /= d.cp
+        kv = 2 * w.shape.seq_len * w.shape.hidden / d.tp * dtype * (d.cp - 1) / d.cp  # per layer and sample
+        mask = w.shape.seq_len / d.cp * w.shape.seq_len * dtype
+    layers = math.ceil(w.shape.layers / d.pp)
     if d.pp == 1:
-        return per_sample * w.micro_batch
+        return (per_sample + kv * layers) * w.micro_batch + mask
     ends = min(w.activation_outside_blocks_bytes_per_sample + w.loss_temp_bytes_per_sample, per_sample)
-    blocks = (per_sample - ends) * math.ceil(w.shape.layers / d.pp) / max(w.shape.layers, 1)
+    blocks = (per_sample - ends) * layers / max(w.shape.layers, 1) + kv * layers
     per_micro = w.micro_batch / w.microbatches
     first = min(w.microbatches, d.pp) if w.pp_schedule == "1f1b" else w.microbatches
     last = 1 if w.pp_schedule == "1f1b" else w.microbatches
-    return per_micro * max(blocks * first, (blocks + ends) * last)
+    return per_micro * max(blocks * first, (blocks + ends) * last) + mask
 
 
 def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:
@@ -799,9 +836,10 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: ParallelDims, mem
     name = name or flavour
     devices = d.world_size
     comm = comm_time(w.shape, flavour, d, w.micro_batch, w.grad_accum, w.microbatches, w.precision, hw.link,
-                     w.bucket_cap_bytes, w.clip, hw.devices_per_node)
+                     w.bucket_cap_bytes, w.clip, hw.devices_per_node, w.sequence_parallel and d.tp > 1,
+                     w.checkpointing)
     per_sample = w.seconds_per_sample if w.seconds_per_sample is not None else hw.seconds_per_sample
-    compute = per_sample * hw.contention(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp)
+    compute = per_sample * hw.contention(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp * d.cp)
     overhead = hw.strategy_overhead(flavour, devices) * w.grad_accum
     step = step_time(compute, comm, d, w.microbatches, overlap, overhead)
     step_s = step.step_s

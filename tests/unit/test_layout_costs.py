@@ -1,0 +1,82 @@
+"""The cost model's terms for today's layouts, against hand counts and the trainer's own
+measurements (the numbers quoted are what tests/dist measured on the test GPT: d=32, 4 heads, 2
+layers, s=64, b=4, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from training.costmodel import (
+    BUS_FACTOR,
+    Group,
+    Link,
+    Shape,
+    Workload,
+    activation_memory,
+    comm_time,
+    feasible,
+)
+from training.parallel.dims import ParallelDims
+
+D, HEADS, LAYERS, SEQ, B, FP32 = 32, 4, 2, 64, 4, 4
+SHAPE = Shape(params=30_000, layers=LAYERS, block_linear_params=2 * 12 * D * D, hidden=D, seq_len=SEQ, heads=HEADS,
+              first_stage_params=256 * D + SEQ * D, last_stage_params=2 * D + D * 256, tp_sizes=(D, HEADS))
+MEASURED_CP1_BLOCKS = 1_064_960
+"""The blocks' saved activations of one rank at cp=1 for b=4 (tests/dist/test_context_parallel.py)."""
+MEASURED_CP2_BLOCKS = 606_208
+"""The same at cp=2: half, the peer's K and V kept for backward, and the shared causal mask."""
+MEASURED_KV_GATHER_PER_LAYER = 32_768
+"""Bytes each rank receives in the K/V all-gather of one layer at cp=2."""
+
+
+def workload(**changes) -> Workload:
+    base = dict(shape=SHAPE, micro_batch=B, grad_accum=1, microbatches=1, precision="fp32", checkpointing=False,
+                tokens_per_sample=SEQ, activation_bytes_per_sample=MEASURED_CP1_BLOCKS / B)
+    return Workload(**{**base, **changes})
+
+
+def test_cp_activations_are_the_trainers_measured_bytes():
+    assert activation_memory(workload(), ParallelDims()) == MEASURED_CP1_BLOCKS
+    assert activation_memory(workload(), ParallelDims(cp=2)) == MEASURED_CP2_BLOCKS
+
+
+def test_cp_all_gathers_k_and_v_per_layer_as_measured():
+    seen = []
+
+    def link(collective: str, group: Group) -> Link:
+        seen.append((collective, group))
+        return Link(alpha_s=0.0, busbw_gbps=1.0, world=group.ranks)
+
+    comm = comm_time(SHAPE, "ddp", ParallelDims(cp=2), B, 1, 1, "fp32", link, devices_per_node=8)
+    gathered = comm.tensor_parallel_s * 1e9 / 2  # all-gather + reduce-scatter of equal bytes, 1 GB/s
+    assert gathered / LAYERS == pytest.approx(MEASURED_KV_GATHER_PER_LAYER)
+    assert ("all_gather", Group(2, 2)) in seen and ("reduce_scatter", Group(2, 2)) in seen
+    recomputed = comm_time(SHAPE, "ddp", ParallelDims(cp=2), B, 1, 1, "fp32", link, devices_per_node=8,
+                           recompute=True)
+    assert recomputed.tensor_parallel_s == pytest.approx(comm.tensor_parallel_s * 3 / 2), "full AC gathers again"
+
+
+def test_cp_needs_two_chunks_per_rank_of_the_sequence():
+    assert feasible(SHAPE, ParallelDims(cp=2), workload())
+    assert not feasible(SHAPE, ParallelDims(cp=64), workload())
+
+
+def test_sequence_parallel_moves_tps_bytes_as_all_gathers_and_reduce_scatters():
+    def link(collective: str, group: Group) -> Link:
+        return Link(alpha_s=1e-6, busbw_gbps=1.0, world=group.ranks)
+
+    d = ParallelDims(tp=2)
+    plain = comm_time(SHAPE, "ddp", d, B, 1, 1, "fp32", link).tensor_parallel_s
+    sp = comm_time(SHAPE, "ddp", d, B, 1, 1, "fp32", link, sequence_parallel=True).tensor_parallel_s
+    calls = 4 * LAYERS
+    volume = calls * B * SEQ * D * FP32 * BUS_FACTOR["all_reduce"](2) / 1e9
+    assert plain == pytest.approx(volume + calls * 1e-6)
+    assert sp == pytest.approx(volume + 2 * calls * 1e-6), "the same bus bytes in twice the calls"
+
+
+def test_sequence_parallel_shards_what_tp_alone_leaves_whole():
+    w = workload(activation_replicated_bytes_per_sample=MEASURED_CP1_BLOCKS / B / 2)
+    tp = activation_memory(w, ParallelDims(tp=2))
+    sp = activation_memory(w.__class__(**{**w.__dict__, "sequence_parallel": True}), ParallelDims(tp=2))
+    assert tp == MEASURED_CP1_BLOCKS * (0.5 + 0.5 / 2)
+    assert sp == MEASURED_CP1_BLOCKS / 2
