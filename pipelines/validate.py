@@ -247,9 +247,9 @@ def _check_strategy(cfg: Config, dims: ParallelDims, facts: ContractFacts) -> No
         if dims.pp > facts.blocks:
             raise ConfigError("strategy.pp", dims.pp, f"more pipeline stages than the {facts.blocks} blocks of "
                               f"model={model}")
-    if s.activation_checkpointing == "full" and facts.blocks == 0:
-        raise ConfigError("strategy.activation_checkpointing", "full", f"model={model} has no repeated blocks to "
-                          "checkpoint: name them with model.blocks=<dotted path of the list>")
+    if s.activation_checkpointing != "none" and facts.blocks == 0:
+        raise ConfigError("strategy.activation_checkpointing", s.activation_checkpointing, f"model={model} has no "
+                          "repeated blocks to checkpoint: name them with model.blocks=<dotted path of the list>")
     if dims.cp > 1:
         _check_cp(cfg, dims.cp, facts)
 

@@ -38,7 +38,7 @@ def _one_of(key: str, value: str, options: tuple[str, ...]) -> None:
 
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 PP_SCHEDULES = ("gpipe", "1f1b")
-AC_MODES = ("none", "full")
+AC_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("cosine", "constant")
 SUGGESTION_RULES = ("steepest", "min_div_10")
@@ -151,7 +151,8 @@ class StrategyConfig:
     """FSDP: free gathered parameters after forward (zero3) or keep them for backward (zero2);
     null takes the strategy's choice (true except for zero2)."""
     activation_checkpointing: str = "none"
-    """`none`, or `full`: recompute every block's activations in backward."""
+    """`none`; `selective`: each block keeps its matmuls' and attention's outputs and recomputes the
+    rest (norms, pointwise ops) in backward; `full`: recompute every block's activations in backward."""
     precision: str = "fp32"
     """`fp32`, `bf16` (autocast, or FSDP's mixed precision with fp32 reduction), or `fp16` with
     loss scaling (CUDA only)."""

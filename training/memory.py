@@ -67,8 +67,26 @@ def storage_id(t: torch.Tensor) -> int:
     return _local(t).untyped_storage()._cdata
 
 
+_KEPT_OBSERVERS: list[Callable[[torch.Tensor], object]] = []
+"""The saved-bytes counters active now (SavedActivations, memory_audit)."""
+
+
+def kept_for_backward(output: object) -> None:
+    """Report an op's output tensors that are held for backward outside autograd's saved tensors
+    (selective activation checkpointing caches them: training/parallel/ac.py) to the saved-bytes
+    counters active now, which count them as saved."""
+    import torch
+
+    tensors = [output] if isinstance(output, torch.Tensor) else output if isinstance(output, tuple | list) else []
+    for observe in list(_KEPT_OBSERVERS):
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                observe(t)
+
+
 class SavedActivations:
-    """Counts the bytes autograd saves for backward, excluding the parameters themselves."""
+    """Counts the bytes autograd saves for backward, and what selective checkpointing keeps
+    (kept_for_backward), excluding the parameters themselves."""
 
     def __init__(self, model: nn.Module):
         import torch
@@ -76,6 +94,9 @@ class SavedActivations:
         self._param_ptrs = {storage_id(p) for p in model.parameters()}
         self._seen: dict[int, int] = {}
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _kept(self, t: torch.Tensor) -> None:
+        self._pack(t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         local = _local(t)  # DTensors (TP) save their local shard; the wrapper has no storage
@@ -93,9 +114,11 @@ class SavedActivations:
 
     def __enter__(self) -> SavedActivations:
         self._ctx.__enter__()
+        _KEPT_OBSERVERS.append(self._kept)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        _KEPT_OBSERVERS.remove(self._kept)
         self._ctx.__exit__(*exc)
 
 
@@ -253,11 +276,13 @@ def memory_audit(model: nn.Module, blocks: list[nn.Module], loss: Callable[[], t
         handles.append(module.register_full_backward_hook(lambda m, gi, go, n=name: after_backward(n)))
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
+    _KEPT_OBSERVERS.append(pack)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             value = loss()
         value.backward()
     finally:
+        _KEPT_OBSERVERS.remove(pack)
         for handle in handles:
             handle.remove()
         model.zero_grad(set_to_none=True)

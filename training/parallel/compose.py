@@ -122,8 +122,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
         first, last = is_first(mesh["pp"]), is_last(mesh["pp"])
     if use.tp:
         apply_tp(model, spec.tp_plan(model), mesh["tp"])
-    if strategy.activation_checkpointing == "full":
-        apply_ac(spec.live_blocks())
+    if strategy.activation_checkpointing != "none":
+        apply_ac(spec.live_blocks(), strategy.activation_checkpointing)
     dp_group = None
     masters: dict[nn.Parameter, torch.Tensor] = {}
     if use.fsdp:
