@@ -250,6 +250,8 @@ def _check_strategy(cfg: Config, dims: ParallelDims, facts: ContractFacts) -> No
     if s.activation_checkpointing != "none" and facts.blocks == 0:
         raise ConfigError("strategy.activation_checkpointing", s.activation_checkpointing, f"model={model} has no "
                           "repeated blocks to checkpoint: name them with model.blocks=<dotted path of the list>")
+    if s.sequence_parallel and dims.tp > 1 and facts.sp_problem is not None:
+        raise ConfigError("strategy.sequence_parallel", True, facts.sp_problem)
     if dims.cp > 1:
         _check_cp(cfg, dims.cp, facts)
 

@@ -7,6 +7,15 @@ row-split linear's input (attention's q, k, v and output, the MLP's hidden activ
 over the TP ranks. So one forward + backward, with the plan's modules marking where a split region
 opens (`colwise` output) and closes (`rowwise` output), counts both parts per sample at once: on
 the meta device, for any model that declares a plan.
+
+With sequence parallelism (training/parallel/tp.py) everything a block saves is split (by heads
+inside the regions, by position outside them), and so is what the sequence-parallel norms outside
+the blocks save (the final norm); what stays whole is the rest saved outside the blocks (the
+embeddings' indices, the head's input, the loss).
+
+Selective checkpointing keeps op outputs (training/parallel/ac.py), counted where the op ran: a
+column-split linear's output is split, though produced before the region it opens; a row-split
+linear's is whole under TP (its all-reduced sum), though produced inside the region it closes.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
 from training.memory import SavedActivations
 
@@ -32,6 +42,9 @@ class TpSplit:
     """What backward makes first, beside all that is saved: the gradients of the loss with respect
     to the model's output and the loss's own intermediate (two fp32 tensors of the output's size,
     e.g. a language model's logits; whole on every TP rank, as the head is not split)."""
+    sequence_replicated_bytes: int = 0
+    """The part saved outside the blocks and the sequence-parallel norms: whole on every TP rank
+    under sequence parallelism (the rest is split over them)."""
 
 
 OPENS = ("colwise",)
@@ -50,26 +63,28 @@ def _role(style: str) -> str | None:
 
 
 def measure_tp_split(model: nn.Module, plan: dict[str, str], run: Callable[[], torch.Tensor],
-                     blocks: list[nn.Module] | tuple = ()) -> TpSplit:
+                     blocks: list[nn.Module] | tuple = (), sequence_norms: list[nn.Module] | tuple = ()) -> TpSplit:
     """Run `run` (a forward returning the loss) and its backward, counting saved bytes by where
     they were saved; `plan` is the model's TP plan as full module names -> styles, `blocks` the
-    model's blocks (what is saved outside them is told apart too)."""
-    inside = [False]
-    depth = [0]
+    model's blocks (what is saved outside them is told apart too), `sequence_norms` its
+    sequence-parallel norms."""
+    inside, opening, closing = [False], [False], [False]
+    depth, norm_depth = [0], [0]
     split_keys: set[int] = set()
     block_keys: set[int] = set()
-    saved = _Classifier(model, inside, split_keys, depth, block_keys)
+    sequence_keys: set[int] = set()
+    saved = _Classifier(model, (inside, opening, closing), split_keys, depth, block_keys, norm_depth, sequence_keys)
     outputs: list[int] = []
     handles = [model.register_forward_hook(lambda m, a, o: outputs.append(_numel(o)))]
-    for block in blocks:
-        handles.append(block.register_forward_pre_hook(lambda m, a: depth.__setitem__(0, depth[0] + 1)))
-        handles.append(block.register_forward_hook(lambda m, a, o: depth.__setitem__(0, depth[0] - 1)))
+    handles += _counting(blocks, depth) + _counting(sequence_norms, norm_depth)
+    modules = _by_name(model)
     for name, style in plan.items():
         role = _role(style)
         if role is not None:
             opened = role == "open"
-            handles.append(model.get_submodule(name).register_forward_hook(
-                lambda m, a, o, opened=opened: inside.__setitem__(0, opened)))
+            module = modules[name]
+            handles.append(module.register_forward_hook(lambda m, a, o, opened=opened: inside.__setitem__(0, opened)))
+            handles += _flagging(module, opening if opened else closing)
     try:
         with saved:
             run().backward()
@@ -80,7 +95,29 @@ def measure_tp_split(model: nn.Module, plan: dict[str, str], run: Callable[[], t
     total = saved.bytes
     whole = sum(n for k, n in saved.sizes.items() if k not in split_keys)
     outside = sum(n for k, n in saved.sizes.items() if k not in block_keys) if blocks else 0
-    return TpSplit(total, whole, outside, 2 * 4 * sum(outputs))
+    unsplit = sum(n for k, n in saved.sizes.items() if k not in block_keys | sequence_keys) if blocks else total
+    return TpSplit(total, whole, outside, 2 * 4 * sum(outputs), unsplit)
+
+
+def _by_name(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's modules by their names as the plan gives them: without the prefix activation
+    checkpointing's wrappers add (torch's state dicts drop it too)."""
+    return {name.replace(_CHECKPOINT_PREFIX, ""): module for name, module in model.named_modules()}
+
+
+def _counting(modules: list[nn.Module] | tuple, depth: list[int]) -> list:
+    """Hooks keeping `depth[0]` the number of `modules` whose forward is running."""
+    handles = []
+    for module in modules:
+        handles.append(module.register_forward_pre_hook(lambda m, a: depth.__setitem__(0, depth[0] + 1)))
+        handles.append(module.register_forward_hook(lambda m, a, o: depth.__setitem__(0, depth[0] - 1)))
+    return handles
+
+
+def _flagging(module: nn.Module, flag: list[bool]) -> list:
+    """Hooks keeping `flag[0]` true while `module`'s forward runs."""
+    return [module.register_forward_pre_hook(lambda m, a: flag.__setitem__(0, True)),
+            module.register_forward_hook(lambda m, a, o: flag.__setitem__(0, False))]
 
 
 def _numel(output: object) -> int:
@@ -94,22 +131,34 @@ def _numel(output: object) -> int:
 
 
 class _Classifier(SavedActivations):
-    """SavedActivations that also notes which storages were first saved inside a split region."""
+    """SavedActivations that also notes which storages were first saved inside a split region,
+    inside a block, and inside a sequence-parallel norm."""
 
-    def __init__(self, model: nn.Module, inside: list[bool], split_keys: set[int], depth: list[int],
-                 block_keys: set[int]):
+    def __init__(self, model: nn.Module, region: tuple[list[bool], list[bool], list[bool]], split_keys: set[int],
+                 depth: list[int], block_keys: set[int], norm_depth: list[int], sequence_keys: set[int]):
         super().__init__(model)
-        self.inside, self.split_keys, self.depth, self.block_keys = inside, split_keys, depth, block_keys
+        (self.inside, self.opening, self.closing), self.split_keys = region, split_keys
+        self.depth, self.block_keys, self.norm_depth, self.sequence_keys = depth, block_keys, norm_depth, sequence_keys
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._classify(t, self.inside[0])
+        return t
+
+    def _kept(self, t: torch.Tensor) -> None:
+        # An op's output kept by selective checkpointing: a column-split linear's is split, a
+        # row-split one's is its reduced sum.
+        self._classify(t, self.opening[0] or (self.inside[0] and not self.closing[0]))
+
+    def _classify(self, t: torch.Tensor, split: bool) -> None:
         before = set(self._seen)
-        out = super()._pack(t)
+        super()._pack(t)
         new = set(self._seen) - before
-        if self.inside[0]:
+        if split:
             self.split_keys.update(new)
         if self.depth[0] > 0:
             self.block_keys.update(new)
-        return out
+        if self.norm_depth[0] > 0:
+            self.sequence_keys.update(new)
 
     @property
     def sizes(self) -> dict[int, int]:

@@ -234,6 +234,11 @@ class VariantCost:
     copies of the model's output), which are not saved tensors."""
     activation_outside_blocks_bytes_per_sample: float = 0.0
     """Of the saved bytes, those saved outside the blocks (embeddings, head, loss)."""
+    activation_sequence_replicated_bytes_per_sample: float = 0.0
+    """The part of `activation_bytes_per_sample` that stays whole on every TP rank under sequence
+    parallelism (strategy.sequence_parallel: what is saved outside the blocks and the final norm,
+    and the loss's temporaries; the rest is split over the TP ranks). For a model that declares no
+    sequence-parallel norms, `activation_replicated_bytes_per_sample`."""
 
 
 def build_on_meta(cfg: ModelConfig, seed: int, precision: str = "fp32",
@@ -249,8 +254,8 @@ def build_on_meta(cfg: ModelConfig, seed: int, precision: str = "fp32",
     if DTYPES[precision] is not None:
         apply_low_precision(model, DTYPES[precision])
     spec = model_spec(model, cfg)
-    if checkpointing == "full":
-        apply_ac(spec.blocks)
+    if checkpointing != "none":
+        apply_ac(spec.blocks, checkpointing)
     return model, spec
 
 
@@ -258,19 +263,33 @@ def measure_variant(cfg: ModelConfig, seed: int, sample: Batch, precision: str, 
     """The model at its real shape on the meta device, in `precision` with `checkpointing`: its
     saved activations and executed FLOPs for one sample (`sample`, on the meta device)."""
     from training.activations import measure_tp_split
+    from training.parallel.ac import apply_ac
 
-    model, spec = build_on_meta(cfg, seed, precision, checkpointing)
-    try:  # checkpointed blocks save only their inputs, whole under TP: nothing to split
-        plan = spec.tp_plan(model) if checkpointing == "none" and spec.plan is not None else {}
+    model, spec = build_on_meta(cfg, seed, precision)
+    try:  # fully checkpointed blocks save only their inputs, whole under TP: nothing to split
+        plan = spec.tp_plan(model) if checkpointing != "full" and spec.plan is not None else {}
     except ContractError:
         plan = {}
+    norms = _sequence_norms(model, spec)
+    if checkpointing != "none":  # after the plan's names are read: the wrappers rename the blocks' modules
+        apply_ac(spec.blocks, checkpointing)
     with FlopCount() as flops:
         split = measure_tp_split(model, plan, lambda: batch_loss(model, sample, model_loss(cfg)),
-                                 [b.module for b in spec.blocks])
+                                 [b.module for b in spec.blocks], norms)
     samples = batch_size(sample)
     temps = split.loss_temp_bytes / samples
+    sequence = split.sequence_replicated_bytes if norms else split.replicated_bytes
     return VariantCost(precision, checkpointing, flops.total / samples, split.saved_bytes / samples + temps,
-                       split.replicated_bytes / samples + temps, temps, split.outside_blocks_bytes / samples)
+                       split.replicated_bytes / samples + temps, temps, split.outside_blocks_bytes / samples,
+                       sequence / samples + temps)
+
+
+def _sequence_norms(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:
+    """The model's sequence-parallel norms; none when it declares none."""
+    try:
+        return [model.get_submodule(name) for name in spec.sp_norms(model)]
+    except ContractError:
+        return []
 
 
 def meta_memory_audit(cfg: ModelConfig, seed: int, batch: Batch, precision: str) -> list[AuditRow]:

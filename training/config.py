@@ -48,9 +48,13 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_t
 
 TARGET_KEY = "_target_"
 """Hydra's key for the factory a config group instantiates."""
-TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep")
+SP_STYLE = "sequence_parallel"
+"""Hugging Face's style for a module that runs sharded over the sequence under sequence parallelism
+(a norm: its parameters replicated, its input and output split by position)."""
+TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", SP_STYLE)
 """Tensor-parallel styles in Hugging Face's words: split a linear by output columns or input rows;
-`_rep` replicates the output of a column split (or expects a replicated input to a row split)."""
+`_rep` replicates the output of a column split (or expects a replicated input to a row split);
+`sequence_parallel` names a norm that strategy.sequence_parallel runs split by sequence."""
 
 
 def _check_target(key: str, target: str) -> None:
@@ -95,7 +99,12 @@ class ModelConfig(TargetConfig):
     classes, else the longest list of same-class children."""
     tp_plan: dict[str, str] | None = None
     """Tensor-parallel plan: module-name pattern (`*` matches one name) -> colwise, rowwise,
-    colwise_rep or rowwise_rep. null takes the model's own (`config.base_model_tp_plan`, `_tp_plan`)."""
+    colwise_rep, rowwise_rep, or sequence_parallel for a norm (strategy.sequence_parallel). null takes
+    the model's own (`config.base_model_tp_plan`, `_tp_plan`)."""
+    sp_plan: dict[str, str] | None = None
+    """Sequence-parallel entries added to whichever tensor-parallel plan applies: module-name pattern
+    -> `sequence_parallel`, for the norms of a model whose own plan doesn't name them (Hugging
+    Face's base_model_tp_plan). null: the plan's own entries, if any."""
     loss: Target | None = None
     """`loss._target_`: a factory returning `fn(output, target) -> scalar`. null: the model's own
     `.loss` when it returns one (Hugging Face, given labels), else cross-entropy of its logits."""
@@ -106,6 +115,8 @@ class ModelConfig(TargetConfig):
         _check_target(TARGET_KEY, self.target)
         for pattern, style in (self.tp_plan or {}).items():
             _one_of(f"tp_plan.{pattern}", style, TP_STYLES)
+        for pattern, style in (self.sp_plan or {}).items():
+            _one_of(f"sp_plan.{pattern}", style, (SP_STYLE,))
 
 
 @dataclass(frozen=True)
@@ -153,6 +164,10 @@ class StrategyConfig:
     activation_checkpointing: str = "none"
     """`none`; `selective`: each block keeps its matmuls' and attention's outputs and recomputes the
     rest (norms, pointwise ops) in backward; `full`: recompute every block's activations in backward."""
+    sequence_parallel: bool = False
+    """With tp > 1, Megatron's sequence parallelism: the norms and the residual stream between the
+    split linears are split over the sequence too (their all-reduces become an all-gather and a
+    reduce-scatter); the model's plan must name its norms `sequence_parallel`. With tp = 1 a no-op."""
     precision: str = "fp32"
     """`fp32`, `bf16` (autocast, or FSDP's mixed precision with fp32 reduction), or `fp16` with
     loss scaling (CUDA only)."""

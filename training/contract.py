@@ -45,6 +45,9 @@ class ContractFacts:
     """Why the model can't be split into pipeline stages; None when it declares the layout."""
     checked_on: str
     """`cpu` (a real batch ran) or `meta` (shapes only: the model is too large to run here)."""
+    sp_problem: str | None = None
+    """Why strategy.sequence_parallel can't split the model (no norms declared `sequence_parallel`,
+    a pattern matching nothing); None when it can."""
     attention_calls: int = 0
     """Calls of torch.nn.functional.scaled_dot_product_attention in one forward: the attention
     context parallelism can split (0: none it can)."""
@@ -226,6 +229,11 @@ def _declarations(model: Any, model_cfg: ModelConfig, data_cfg: DataConfig, data
         pipeline_problem = None
     except ContractError as err:
         pipeline_problem = str(err)
+    try:
+        spec.sp_norms(model)
+        sp_problem = None
+    except ContractError as err:
+        sp_problem = str(err)
     return ContractFacts(
         num_samples=len(dataset),
         item="dict" if isinstance(batch, dict) else "pair",
@@ -237,5 +245,6 @@ def _declarations(model: Any, model_cfg: ModelConfig, data_cfg: DataConfig, data
         tp_problem=tp_problem,
         tp_sizes=sizes,
         pipeline_problem=pipeline_problem,
+        sp_problem=sp_problem,
         checked_on=checked_on,
     )

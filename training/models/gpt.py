@@ -3,7 +3,7 @@
 It says what only it can say, the way a user's model does: its blocks live in a ModuleDict
 (`layers`, found as the longest list of same-class children); `_tp_plan` splits attention's q/k/v
 and the first feed-forward linear by columns and their partners by rows (Megatron's pairing, in
-Hugging Face's words); `pp_first`/`pp_last` name what only the first and last pipeline stage keep,
+Hugging Face's words) and names the norms sequence parallelism splits by position; `pp_first`/`pp_last` name what only the first and last pipeline stage keep,
 and its forward skips whatever a stage removed (torchtitan's layout).
 """
 
@@ -82,6 +82,9 @@ class GPT(nn.Module):
         "layers.*.attention.wo": "rowwise",
         "layers.*.feed_forward.w1": "colwise",
         "layers.*.feed_forward.w2": "rowwise",
+        "layers.*.attention_norm": "sequence_parallel",
+        "layers.*.ffn_norm": "sequence_parallel",
+        "norm": "sequence_parallel",
     }
 
     def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int, ffn_mult: int,

@@ -7,7 +7,9 @@ The parallel code (training/parallel/) reads these and names no module of any mo
   longest `ModuleList`/`ModuleDict` whose children share one class.
 - **tensor-parallel plan**: module-name patterns -> `colwise`/`rowwise`/`colwise_rep`/
   `rowwise_rep`, from `model.tp_plan`, else the model's own `config.base_model_tp_plan` (relative
-  to its base model, Hugging Face) or `_tp_plan`.
+  to its base model, Hugging Face) or `_tp_plan`. Entries styled `sequence_parallel` (Hugging
+  Face's word) name the norms sequence parallelism splits by position; `model.sp_plan` adds such
+  entries to a plan that lacks them.
 - **pipeline layout** (torchtitan's contract): blocks in an `nn.ModuleDict` (names stay stable when
   a stage deletes the others), `pp_first`/`pp_last` naming what only the first and last stage keep,
   and a forward that skips whatever is None.
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from training.config import TP_STYLES, ModelConfig
+from training.config import SP_STYLE, TP_STYLES, ModelConfig
 
 HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads", "n_heads", "num_heads", "n_head")
 """Attributes that hold a head count, on the model's config or on any module: tensor parallelism
@@ -108,8 +110,16 @@ def blocks_path(model: nn.Module, blocks: list[Block]) -> str | None:
 
 
 def tp_plan(model: nn.Module, cfg: ModelConfig) -> tuple[dict[str, str], str] | None:
-    """The tensor-parallel plan with names from the model's root, and where it came from; None
-    when neither the config nor the model has one."""
+    """The tensor-parallel plan with names from the model's root, `model.sp_plan`'s entries added,
+    and where it came from; None when neither the config nor the model has one."""
+    found = _own_plan(model, cfg)
+    if found is None or not cfg.sp_plan:
+        return found
+    plan, source = found
+    return {**plan, **cfg.sp_plan}, f"{source} + model.sp_plan"
+
+
+def _own_plan(model: nn.Module, cfg: ModelConfig) -> tuple[dict[str, str], str] | None:
     if cfg.tp_plan:
         return dict(cfg.tp_plan), "model.tp_plan"
     config = getattr(model, "config", None)
@@ -130,11 +140,13 @@ def _pattern(glob: str) -> re.Pattern[str]:
 
 
 def resolve_plan(model: nn.Module, plan: dict[str, str], source: str) -> dict[str, str]:
-    """The plan's patterns expanded to the module names they match, checked: every style is one
-    we apply and every pattern matches a linear layer."""
+    """The plan's linear entries expanded to the module names they match, checked: every style is
+    one we apply and every pattern matches a linear layer (`sequence_parallel` entries: sp_norms)."""
     names = {name: module for name, module in model.named_modules()}
     resolved: dict[str, str] = {}
     for pattern, style in plan.items():
+        if style == SP_STYLE:
+            continue
         if style not in TP_STYLES:
             raise ContractError(f"{source}[{pattern!r}]={style!r}: supported styles are {', '.join(TP_STYLES)}; "
                                 "give a plan of those in model.tp_plan")
@@ -147,6 +159,18 @@ def resolve_plan(model: nn.Module, plan: dict[str, str], source: str) -> dict[st
                                     "tensor parallelism splits nn.Linear layers")
             resolved[name] = style
     return resolved
+
+
+def sp_norms(model: nn.Module, plan: dict[str, str], source: str, whole: bool = True) -> list[str]:
+    """The module names the plan's `sequence_parallel` patterns match, in the model's order;
+    ContractError for a pattern that matches nothing in a `whole` model (a pipeline stage holds
+    only some)."""
+    patterns = [p for p, style in plan.items() if style == SP_STYLE]
+    names = [name for name, _ in model.named_modules()]
+    for pattern in patterns if whole else []:
+        if not any(_pattern(pattern).match(n) for n in names):
+            raise ContractError(f"{source}[{pattern!r}] matches no module of {type(model).__name__}")
+    return [n for n in names if any(_pattern(p).match(n) for p in patterns)]
 
 
 def tp_divisors(model: nn.Module, resolved: dict[str, str]) -> dict[str, int]:
@@ -214,6 +238,16 @@ class ModelSpec:
             raise ContractError(f"{type(model).__name__} has no tensor-parallel plan: give model.tp_plan "
                                 "(module-name pattern -> colwise/rowwise), or use ddp, zero1/2/3 or pp")
         return resolve_plan(model, *self.plan)
+
+    def sp_norms(self, model: nn.Module, whole: bool = True) -> list[str]:
+        """The norms sequence parallelism splits by position (those this pipeline stage holds where
+        not `whole`); ContractError when the plan names none."""
+        names = sp_norms(model, *self.plan, whole=whole) if self.plan is not None else []
+        if not names:
+            raise ContractError(f"{type(model).__name__} declares no sequence-parallel norms: give model.sp_plan "
+                                "(norm-name pattern -> sequence_parallel, every norm of the blocks and the final "
+                                "one), or set strategy.sequence_parallel=false")
+        return names
 
     def layout(self, model: nn.Module) -> PipelineLayout:
         return pipeline_layout(model, self.blocks)

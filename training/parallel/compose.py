@@ -32,7 +32,7 @@ from training.parallel.fsdp import apply_fsdp
 from training.parallel.materialize import materialize
 from training.parallel.pp import apply_pp, build_schedule, is_first, is_last
 from training.parallel.precision import apply_low_precision
-from training.parallel.tp import apply_tp
+from training.parallel.tp import apply_tp, sequence_layout
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -121,7 +121,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
         model = apply_pp(model, spec.layout(model), mesh["pp"])
         first, last = is_first(mesh["pp"]), is_last(mesh["pp"])
     if use.tp:
-        apply_tp(model, spec.tp_plan(model), mesh["tp"])
+        sequence = sequence_layout(model, spec, strategy.activation_checkpointing) if strategy.sequence_parallel else None
+        apply_tp(model, spec.tp_plan(model), mesh["tp"], sequence)
     if strategy.activation_checkpointing != "none":
         apply_ac(spec.live_blocks(), strategy.activation_checkpointing)
     dp_group = None

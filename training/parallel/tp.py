@@ -3,19 +3,38 @@
 `colwise` splits a linear by output columns and `rowwise` by input rows: a column split followed
 by its row partner needs one all-reduce per pair in forward and one in backward (Megatron). The
 plan comes from the model (training/models/spec.py), resolved to module names.
+
+**Sequence parallelism** (Korthikanti et al. 2022, Megatron's): what TP leaves whole on every rank
+between the split regions (the norms, the residual stream, its dropout) is split over the sequence
+instead. Each block's input is cut into this rank's positions (a Shard(1) DTensor from there on);
+each norm the plan styles `sequence_parallel` runs on those positions and all-gathers its output
+once for the column-split linears after it (torch's SequenceParallel with a gathered output, as
+NeMo's SequenceParallelAllGatherActivation); each row-split linear reduce-scatters its partial sums
+back to positions (RowwiseParallel(output_layouts=Shard(1))) instead of all-reducing them. A pair's
+all-reduce becomes an all-gather in and a reduce-scatter out, and the reverse in backward. As in
+Megatron, the column-split linears save the norm's shard, not the gathered input, and gather it
+again in backward: every activation a block saves is then split over the TP ranks.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
+
+from training.memory import storage_id
+from training.models.spec import ModelSpec
 
 STYLES = {
     "colwise": lambda: ColwiseParallel(),
@@ -24,11 +43,206 @@ STYLES = {
     "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
 }
 
+POSITIONS = Shard(1)
+"""Where sequence parallelism splits an activation (batch, sequence, hidden): by position."""
 
-def apply_tp(model: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh) -> nn.Module:
-    """Split the modules `plan` names (module name -> style) over `tp_mesh`; names the pipeline
-    split removed are skipped."""
+SP_STYLES = {
+    **STYLES,
+    # The partial sums reduce-scattered to positions, kept a DTensor: the residual stream's layout.
+    "rowwise": lambda: RowwiseParallel(output_layouts=POSITIONS, use_local_output=False),
+}
+
+GATHERED = "_sp_gathered"
+"""The attribute by which a norm's gathered output names the shard it was gathered from."""
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """What sequence parallelism needs besides the TP plan."""
+
+    norms: list[str]
+    """The plan's `sequence_parallel` modules (the blocks' norms and the final one)."""
+    blocks: list[nn.Module] = field(default_factory=list)
+    """The model's (live) blocks: each one's input is split by position."""
+    keep_shards: bool = True
+    """Column-split linears save their input's shard and gather it again in backward (Megatron's);
+    false where activation checkpointing recomputes the block, and the gather with it, anyway."""
+
+
+def sequence_layout(model: nn.Module, spec: ModelSpec, checkpointing: str) -> SequenceLayout:
+    """The model's sequence-parallel layout under `checkpointing` (ContractError: no norms declared)."""
+    return SequenceLayout(spec.sp_norms(model, whole=False), [b.module for b in spec.live_blocks()],
+                          checkpointing == "none")
+
+
+def apply_tp(model: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh,
+             sequence: SequenceLayout | None = None) -> nn.Module:
+    """Split the modules `plan` names (module name -> style) over `tp_mesh`, and with `sequence`
+    split the rest by position; names the pipeline split removed are skipped."""
     present = {name for name, _ in model.named_modules()}
-    styles: dict[str, ParallelStyle] = {name: STYLES[style]() for name, style in plan.items() if name in present}
+    table = SP_STYLES if sequence is not None else STYLES
+    styles: dict[str, ParallelStyle] = {name: table[style]() for name, style in plan.items() if name in present}
+    if sequence is not None:
+        inside = {id(m) for block in sequence.blocks for m in block.modules()}
+        for name in sequence.norms:
+            if name in present:
+                in_block = id(model.get_submodule(name)) in inside
+                styles[name] = GatheringNorm(in_block, sequence.keep_shards and in_block)
     parallelize_module(model, tp_mesh, styles)
+    if sequence is not None:
+        _split_residual_stream(model, sequence.blocks, tp_mesh)
+        if sequence.keep_shards:
+            for name, style in plan.items():
+                if style == "colwise" and name in present:
+                    _save_shards(model.get_submodule(name))
     return model
+
+
+def by_position(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """`x` split by position: a DTensor redistributed to it, a plain (whole) tensor cut locally
+    (no communication; its gradient is all-gathered)."""
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    return x if x.placements == (POSITIONS,) else x.redistribute(placements=[POSITIONS])
+
+
+def _split_residual_stream(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh) -> None:
+    """Blocks take the residual stream by position; the model (or pipeline stage) hands its
+    output on whole, whatever the last block left it as."""
+    for block in blocks:
+        block.register_forward_pre_hook(lambda m, args: (by_position(args[0], mesh), *args[1:]))
+    model.register_forward_hook(lambda m, args, out: out.full_tensor() if isinstance(out, DTensor) else out)
+
+
+class GatheringNorm(SequenceParallel):
+    """torch's SequenceParallel (parameters replicated, computed on this rank's positions), its
+    output all-gathered. Inside a block a Replicate DTensor, which the column-split linears take as
+    it is: their input gradients are partial sums, reduce-scattered back to positions. Outside (the
+    final norm, before an unsplit head) a plain whole tensor, whose gradient is whole already."""
+
+    def __init__(self, in_block: bool, keep_shards: bool):
+        super().__init__(sequence_dim=POSITIONS.dim)
+        self.in_block, self.keep_shards = in_block, keep_shards
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._replicate_module_fn, self._split_input, self._gather)
+
+    @staticmethod
+    def _split_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        return (by_position(inputs[0], mesh), *inputs[1:])
+
+    def _gather(self, module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        full = output.redistribute(placements=[Replicate()])
+        if not self.in_block:
+            return full.to_local()
+        if self.keep_shards and torch.is_grad_enabled():
+            gathered = _Gathered.of(full, output)
+            if gathered is not None:
+                setattr(full, GATHERED, gathered)
+        return full
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # the local view only: no autograd node
+        return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class _View:
+    """How a saved tensor viewed the gathered input: rebuilt on the input gathered again."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    """Elements from the start of the gathered input."""
+    dtensor: tuple[Any, ...] | None
+    """(mesh, placements, shape, stride) when the saved tensor was a DTensor."""
+
+    def rebuild(self, full: torch.Tensor) -> torch.Tensor:
+        local = full.as_strided(self.size, self.stride, full.storage_offset() + self.offset)
+        if self.dtensor is None:
+            return local
+        mesh, placements, shape, stride = self.dtensor
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+class _Gathered:
+    """A norm's gathered output, remembered by its storage, with the shard it was gathered from:
+    what the column-split linears after it save instead, gathered again (once for all of them)
+    when backward first needs it."""
+
+    def __init__(self, full: torch.Tensor, shard: DTensor):
+        self.key, self.offset = storage_id(full), full.storage_offset()
+        self.shard = _local(shard)
+        self.mesh, self.shape, self.stride = shard.device_mesh, shard.shape, shard.stride()
+        self.users = 0
+        self._full: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, full: DTensor, shard: DTensor) -> _Gathered | None:
+        local = _local(full)
+        return cls(local, shard) if local.is_contiguous() else None
+
+    def view_of(self, t: torch.Tensor) -> _View | None:
+        local = _local(t)
+        if storage_id(local) != self.key:
+            return None
+        meta = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+        return _View(tuple(local.shape), local.stride(), local.storage_offset() - self.offset, meta)
+
+    def gather_again(self, shard: torch.Tensor) -> torch.Tensor:
+        if self._full is None:
+            with torch.no_grad():
+                spread = DTensor.from_local(shard, self.mesh, [POSITIONS], run_check=False, shape=self.shape,
+                                            stride=self.stride)
+                self._full = spread.redistribute(placements=[Replicate()]).to_local()
+        full = self._full
+        self.users -= 1
+        if self.users <= 0:
+            self._full = None  # every linear that saved it has had it: free it now, not with the graph
+        return full
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
+class _SavingShards:
+    """Saved-tensor hooks over one column-split linear's forward: what it saves of its gathered
+    input is saved as the shard instead. Hooks already active (a probe counting saved bytes,
+    training/memory.py) see what is really kept: the shard."""
+
+    def __init__(self, gathered: _Gathered):
+        self.gathered = gathered
+        # Only the innermost saved-tensor hooks run: call the outer ones ourselves.
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.outer_pack, self.outer_unpack = outer if outer is not None else (_same, _same)
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> tuple[_View | None, Any]:
+        view = self.gathered.view_of(t)
+        if view is None:
+            return None, self.outer_pack(t)
+        self.gathered.users += 1
+        return view, self.outer_pack(self.gathered.shard)
+
+    def unpack(self, packed: tuple[_View | None, Any]) -> torch.Tensor:
+        view, inner = packed
+        value = self.outer_unpack(inner)
+        return value if view is None else view.rebuild(self.gathered.gather_again(value))
+
+
+def _save_shards(linear: nn.Module) -> None:
+    """Make a column-split linear save its gathered input as the shard (see _SavingShards)."""
+    forward = linear.forward
+
+    def saving_shards(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        gathered = getattr(x, GATHERED, None)
+        if gathered is None or not torch.is_grad_enabled():
+            return forward(x, *args, **kwargs)
+        with _SavingShards(gathered).hooks():
+            return forward(x, *args, **kwargs)
+
+    linear.forward = saving_shards
