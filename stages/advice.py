@@ -15,7 +15,6 @@ from training.costmodel import (
     Calibration,
     Group,
     Hardware,
-    Workload,
     group_of,
     predict_layout,
     state_memory,
@@ -30,6 +29,7 @@ from training.search import (
     closest_miss,
     crosses_nodes,
     search,
+    search_cp,
     strategy_name,
 )
 from training.strategies import flavour_of
@@ -71,7 +71,7 @@ def searched_variants(cfg: AdviceInputs, blocks: int) -> list[tuple[str, str]]:
         precisions = ["bf16"]
     if not cfg.cluster.measured and cfg.cluster.fp32_peak_flops is None:
         precisions = [p for p in precisions if p != "fp32"]
-    checkpointing = ["none", "full"] if blocks else ["none"]
+    checkpointing = ["none", "selective", "full"] if blocks else ["none"]
     pairs = [(p, c) for p in precisions for c in checkpointing]
     return list(dict.fromkeys([own, *pairs]))
 
@@ -98,7 +98,7 @@ def variant(cfg: AdviceInputs, cost: VariantCost, own: VariantCost, hw: Hardware
         seconds = cost.executed_flops_per_sample / (peak * cfg.cluster.achievable_mfu)
     return Variant(cost.precision, cost.activation_checkpointing, seconds, cost.activation_bytes_per_sample, peak,
                    cost.activation_replicated_bytes_per_sample, cost.activation_outside_blocks_bytes_per_sample,
-                   cost.loss_temp_bytes_per_sample)
+                   cost.loss_temp_bytes_per_sample, cost.activation_sequence_replicated_bytes_per_sample)
 
 
 def command_prefix(cfg: AdviceInputs) -> str:
@@ -119,6 +119,7 @@ def advise(cfg: AdviceInputs, anatomy: Anatomy, costs: list[VariantCost], hw: Ha
         global_batch=cfg.train.global_batch, replica_batch=cfg.train.micro_batch * cfg.train.grad_accum,
         variants=variants, strategies=tuple(cfg.plan.strategies) if cfg.plan.strategies else None,
         clip=cfg.train.grad_clip is not None,
+        context_parallel=search_cp(anatomy.shape, variants, memory_limit, min(hw.devices_per_node, world)),
     )
     searched = search(space, anatomy.shape, hw, anatomy.tokens_per_sample, anatomy.flops_per_sample,
                       memory_limit, overlap, calibration, command_prefix(cfg))
@@ -139,15 +140,9 @@ def own_candidate(cfg: AdviceInputs, anatomy: Anatomy, variants: list[Variant], 
     flavour = flavour_of(cfg.strategy, d)
     own = next(v for v in variants if (v.precision, v.activation_checkpointing) ==
                (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
-    w = Workload(shape=anatomy.shape, micro_batch=micro, grad_accum=cfg.train.grad_accum,
-                 microbatches=cfg.strategy.microbatches, precision=cfg.strategy.precision,
-                 checkpointing=cfg.strategy.activation_checkpointing == "full",
-                 tokens_per_sample=anatomy.tokens_per_sample, activation_bytes_per_sample=own.activation_bytes_per_sample,
-                 activation_replicated_bytes_per_sample=own.activation_replicated_bytes_per_sample,
-                 activation_outside_blocks_bytes_per_sample=own.activation_outside_blocks_bytes_per_sample,
-                 loss_temp_bytes_per_sample=own.loss_temp_bytes_per_sample,
-                 bucket_cap_bytes=cfg.strategy.bucket_cap_mb * 1024**2, seconds_per_sample=own.seconds_per_sample,
-                 clip=cfg.train.grad_clip is not None, pp_schedule=cfg.strategy.pp_schedule)
+    w = own.workload(anatomy.shape, micro, cfg.train.grad_accum, cfg.strategy.microbatches, cfg.strategy.pp_schedule,
+                     cfg.strategy.bucket_cap_mb, cfg.train.grad_clip is not None, anatomy.tokens_per_sample,
+                     cfg.strategy.sequence_parallel and d.tp > 1)
     name = cfg.strategy.name if cfg.strategy.name in pure() else strategy_name(flavour, d)
     p = predict_layout(w, hw, flavour, d, memory_limit, overlap, 1.0 / own.seconds_per_sample, calibration, name)
     if p is None:
@@ -262,7 +257,8 @@ def one_device(strategy: StrategyConfig) -> StrategyConfig:
     strategy (a hybrid, tp or pp layout as plain data parallelism of one), its precision,
     checkpointing and buckets kept, so that scaling efficiency compares like with like."""
     name = strategies.get(strategy.name).one_device
-    return dataclasses.replace(strategy, name=name, dp_replicate=1, dp_shard=1, tp=1, pp=1, reshard_after_forward=None)
+    return dataclasses.replace(strategy, name=name, dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=None,
+                               reshard_after_forward=None)
 
 
 def candidate_settings(c: Candidate, strategy: StrategyConfig, train: TrainConfig,
@@ -274,7 +270,8 @@ def candidate_settings(c: Candidate, strategy: StrategyConfig, train: TrainConfi
         strategy, name=c.strategy, dp_replicate=d["dp_replicate"], dp_shard=d["dp_shard"], tp=d["tp"], pp=d["pp"],
         reshard_after_forward=strategies.get(c.flavour).reshard_after_forward if d["dp_shard"] > 1 else None,
         precision=c.precision, activation_checkpointing=c.activation_checkpointing, pp_schedule=c.pp_schedule,
-        microbatches=c.microbatches if d["pp"] > 1 else strategy.microbatches, bucket_cap_mb=c.bucket_cap_mb)
+        microbatches=c.microbatches if d["pp"] > 1 else strategy.microbatches, bucket_cap_mb=c.bucket_cap_mb,
+        cp=d.get("cp", 1), sequence_parallel=c.sequence_parallel)
     chosen = chosen if world > 1 else one_device(chosen)
     # With a fixed global batch the micro-batch follows from it; else the candidate's is per replica.
     sized = dataclasses.replace(train, grad_accum=c.grad_accum,

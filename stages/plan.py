@@ -448,7 +448,7 @@ def workload(cfg: PlanInputs, anatomy: Anatomy) -> Workload:
         grad_accum=cfg.train.grad_accum,
         microbatches=cfg.strategy.microbatches,
         precision=cfg.strategy.precision,
-        checkpointing=cfg.strategy.activation_checkpointing == "full",
+        checkpointing=cfg.strategy.activation_checkpointing,
         tokens_per_sample=anatomy.tokens_per_sample,
         activation_bytes_per_sample=anatomy.activation_bytes_per_sample,
         activation_replicated_bytes_per_sample=anatomy.activation_replicated_bytes_per_sample,

@@ -66,6 +66,9 @@ class Shape:
     """Every width and head count the tensor-parallel degree must divide."""
     pipeline: bool = True
     """Whether the model declares a pipeline layout."""
+    context_parallel: bool = False
+    """Whether its attention can be split over the sequence (it calls scaled_dot_product_attention
+    and takes position_ids: training/parallel/cp.py)."""
 
 
 @dataclass(frozen=True)
@@ -371,7 +374,7 @@ def fsdp_units(shape: Shape) -> int:
 def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, grad_accum: int, microbatches: int,
               precision: str, link: Callable[[str, Group], Link], bucket_cap_bytes: float = 25 * 1024**2,
               clip: bool = False, devices_per_node: int | None = None, sequence_parallel: bool = False,
-              recompute: bool = False) -> Comm:
+              recompute: str = "none") -> Comm:
     """Per-step communication of each strategy in seconds (ZeRO's, Megatron's and GPipe's
     volumes, in the calls each implementation makes: every call pays the link's latency, which is
     what dominates a small model or a slow link); `link(collective, group)` is the α–β model of
@@ -424,14 +427,21 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
             dp_s += call("broadcast", stored * psi, dp_group, n)
     activation = activation_tensor_bytes(micro_batch, shape.seq_len, shape.hidden, dtype_bytes) / d.cp
     layers = math.ceil(shape.layers / d.pp)
-    # TP: two all-reduces per block in forward, two in backward, per micro-batch, inside a TP group
-    # (sequence parallelism: each an all-gather and a reduce-scatter of the same bus bytes).
-    tp_calls = 4 * layers * grad_accum
+    # TP, inside its group: Megatron's collectives of one b x s x h activation each.
+    # Per layer and micro-batch: forward two all-reduces, backward two; full recomputation repeats
+    # the forward's. With sequence parallelism (measured: tests/dist/test_sequence_parallel.py)
+    # forward is two all-gathers and two reduce-scatters, backward two reduce-scatters and four
+    # all-gathers (two re-gather the saved shards, as Megatron does); full recomputation repeats the
+    # forward's four, selective its two all-gathers (the reduce-scatters' outputs are kept).
+    per_layer = layers * grad_accum
     if sequence_parallel:
-        tp_s = (call("all_gather", activation * tp_calls, tp_group, tp_calls)
-                + call("reduce_scatter", activation * tp_calls, tp_group, tp_calls))
+        gathers = per_layer * (6 + {"full": 2, "selective": 2}.get(recompute, 0))
+        scatters = per_layer * (4 + (2 if recompute == "full" else 0))
+        tp_s = (call("all_gather", activation * gathers, tp_group, gathers)
+                + call("reduce_scatter", activation * scatters, tp_group, scatters))
     else:
-        tp_s = call("all_reduce", activation * tp_calls, tp_group, tp_calls)
+        reduces = per_layer * (4 + (2 if recompute == "full" else 0))
+        tp_s = call("all_reduce", activation * reduces, tp_group, reduces)
     # CP: each block all-gathers this rank's K and V over the cp group in forward (again in backward
     # under full recomputation) and reduce-scatters their gradients in backward: 2 x s x b x h / tp
     # gathered per layer and micro-batch (training/parallel/cp.py; the gathered K/V are the
@@ -439,7 +449,8 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
     cp_s = 0.0
     if d.cp > 1:
         kv = 2 * activation_tensor_bytes(micro_batch, shape.seq_len, shape.hidden, dtype_bytes) / d.tp
-        gathers = layers * grad_accum * (2 if recompute else 1)
+        # Collectives are recomputed under selective checkpointing too (its policy keeps no all-gather).
+        gathers = layers * grad_accum * (2 if recompute in ("full", "selective") else 1)
         cp_group = group_of(d, "cp", devices_per_node)
         cp_s = (call("all_gather", kv * gathers, cp_group, gathers)
                 + call("reduce_scatter", kv * layers * grad_accum, cp_group, layers * grad_accum))
@@ -569,7 +580,9 @@ class Workload:
     microbatches: int
     precision: str
     """`fp32`, `bf16` or `fp16`: what the states and activations are held in (states_per_param)."""
-    checkpointing: bool
+    checkpointing: str
+    """strategy.activation_checkpointing: `none`, `selective` or `full` (what the forward's
+    collectives repeat in backward)."""
     tokens_per_sample: int
     activation_bytes_per_sample: float
     """Bytes saved for backward per sample, measured on one device (or the meta device) with the
@@ -593,8 +606,11 @@ class Workload:
     pp_schedule: str = "1f1b"
     """GPipe keeps every microbatch's activations until the backward; 1F1B at most one per stage."""
     sequence_parallel: bool = False
-    """strategy.sequence_parallel: TP's activations all sharded, its all-reduces all-gathers and
-    reduce-scatters."""
+    """strategy.sequence_parallel: TP's activations sharded but `activation_sequence_replicated`,
+    its all-reduces all-gathers and reduce-scatters."""
+    activation_sequence_replicated_bytes_per_sample: float = 0.0
+    """The part of the activations sequence parallelism leaves whole on every rank (outside the
+    blocks: the head's input, the logits, the loss's temporaries)."""
 
 
 @dataclass(frozen=True)
@@ -767,8 +783,9 @@ def feasible(shape: Shape, d: ParallelDims, w: Workload) -> bool:
 def activation_memory(w: Workload, d: ParallelDims) -> float:
     """The activations one rank holds at the start of backward, the loss's temporaries included.
 
-    TP divides what its plan splits; with sequence parallelism the rest too (norms, residuals and
-    the split linears' inputs are sharded over the sequence: Korthikanti et al.'s 34sbh/t). CP
+    TP divides what its plan splits; with sequence parallelism the blocks' rest too (norms,
+    residuals and the split linears' inputs are sharded over the sequence: Korthikanti et al.'s
+    32sbh/t without dropout; measured within 0.2 %), all but the head's input and the loss. CP
     divides every token's activations by cp and adds the peers' K and V its attention keeps for
     backward ((cp − 1)/cp of 2·s·h/t per layer and sample) and one causal mask of (s/cp)·s per
     micro-batch (training/parallel/cp.py). A pipeline stage holds its share of the blocks'
@@ -778,7 +795,8 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
     first and the last stage."""
     per_sample = w.activation_bytes_per_sample
     if d.tp > 1:
-        kept = 0.0 if w.sequence_parallel else w.activation_replicated_bytes_per_sample
+        kept = (w.activation_sequence_replicated_bytes_per_sample if w.sequence_parallel
+                else w.activation_replicated_bytes_per_sample)
         per_sample = kept + (per_sample - kept) / d.tp
     dtype = COMPUTE_BYTES[w.precision]
     kv = mask = 0.0

@@ -27,6 +27,7 @@ class Counted:
     activation_replicated_bytes_per_sample: float
     activation_outside_blocks_bytes_per_sample: float = 0.0
     loss_temp_bytes_per_sample: float = 0.0
+    activation_sequence_replicated_bytes_per_sample: float = 0.0
 
 
 _COUNTED: dict[str, Counted] = {}
@@ -48,7 +49,8 @@ def counted(model: ModelConfig, data: DataConfig, seed: int, precision: str, che
         sample = to_device(first_samples(build_dataset(data), 1), torch.device("meta"))
         cost = measure_variant(model, seed, sample, precision, checkpointing)
         _COUNTED[key] = Counted(shape, cost.activation_bytes_per_sample, cost.activation_replicated_bytes_per_sample,
-                                cost.activation_outside_blocks_bytes_per_sample, cost.loss_temp_bytes_per_sample)
+                                cost.activation_outside_blocks_bytes_per_sample, cost.loss_temp_bytes_per_sample,
+                                cost.activation_sequence_replicated_bytes_per_sample)
     return _COUNTED[key]
 
 
@@ -93,12 +95,13 @@ def rank_memory(c: Counted, strategy: StrategyConfig, flavour: str, world: int, 
     """One rank's memory at the peak of a step of `strategy` (trained as `flavour`) on `world`."""
     d = resolve_dims(strategy, world)
     w = Workload(c.shape, micro_batch=micro_batch, grad_accum=1, microbatches=strategy.microbatches,
-                 precision=strategy.precision, checkpointing=strategy.activation_checkpointing == "full",
+                 precision=strategy.precision, checkpointing=strategy.activation_checkpointing,
                  tokens_per_sample=1, activation_bytes_per_sample=c.activation_bytes_per_sample,
                  activation_replicated_bytes_per_sample=c.activation_replicated_bytes_per_sample,
                  activation_outside_blocks_bytes_per_sample=c.activation_outside_blocks_bytes_per_sample,
                  loss_temp_bytes_per_sample=c.loss_temp_bytes_per_sample,
-                 pp_schedule=strategy.pp_schedule)
+                 pp_schedule=strategy.pp_schedule, sequence_parallel=strategy.sequence_parallel,
+                 activation_sequence_replicated_bytes_per_sample=c.activation_sequence_replicated_bytes_per_sample)
     return memory_breakdown(w, flavour, d)
 
 

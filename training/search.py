@@ -56,7 +56,22 @@ class Variant:
     """The part of the activations tensor parallelism leaves whole (Workload's field of that name)."""
     activation_outside_blocks_bytes_per_sample: float = 0.0
     loss_temp_bytes_per_sample: float = 0.0
+    activation_sequence_replicated_bytes_per_sample: float = 0.0
     """Workload's fields of these names."""
+
+    def workload(self, shape: Shape, micro: int, accum: int, microbatches: int, schedule: str, bucket_mb: float,
+                 clip: bool, tokens_per_sample: int, sequence_parallel: bool = False) -> Workload:
+        """This setting's Workload for one point of the space (the search's and the run's own)."""
+        return Workload(shape=shape, micro_batch=micro, grad_accum=accum, microbatches=microbatches,
+                        precision=self.precision, checkpointing=self.activation_checkpointing,
+                        tokens_per_sample=tokens_per_sample, activation_bytes_per_sample=self.activation_bytes_per_sample,
+                        activation_replicated_bytes_per_sample=self.activation_replicated_bytes_per_sample,
+                        activation_outside_blocks_bytes_per_sample=self.activation_outside_blocks_bytes_per_sample,
+                        loss_temp_bytes_per_sample=self.loss_temp_bytes_per_sample,
+                        bucket_cap_bytes=bucket_mb * 1024**2, seconds_per_sample=self.seconds_per_sample, clip=clip,
+                        pp_schedule=schedule, sequence_parallel=sequence_parallel,
+                        activation_sequence_replicated_bytes_per_sample=(
+                            self.activation_sequence_replicated_bytes_per_sample))
 
 
 @dataclass(frozen=True)
@@ -75,6 +90,9 @@ class Space:
     strategies: tuple[str, ...] | None = None
     """Only candidates reported as one of these (plan.strategies); None: all."""
     clip: bool = True
+    context_parallel: bool = False
+    """Search cp > 1 (the model can be split over the sequence, and its activations are what fills
+    a device: search_cp)."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +104,7 @@ class Candidate:
     flavour: str
     """The data-parallel flavour (ddp, zero1, zero2, zero3)."""
     dims: dict[str, int]
-    """pp, dp_replicate, dp_shard, tp."""
+    """pp, dp_replicate, dp_shard, cp, tp."""
     micro_batch: int
     grad_accum: int
     activation_checkpointing: str
@@ -103,10 +121,12 @@ class Candidate:
     command: str
     prediction: Prediction = field(repr=False)
     """The cost model's components (compute, exposed communication, bubble, calls)."""
+    sequence_parallel: bool = False
 
     @property
     def degrees(self) -> ParallelDims:
-        return ParallelDims(self.dims["dp_replicate"], self.dims["dp_shard"], self.dims["tp"], self.dims["pp"])
+        return ParallelDims(self.dims["dp_replicate"], self.dims["dp_shard"], self.dims["tp"], self.dims["pp"],
+                            self.dims.get("cp", 1))
 
     @property
     def non_trivial(self) -> int:
@@ -117,6 +137,10 @@ class Candidate:
         out = [f"strategy={self.strategy}"]
         if self.strategy == "hybrid":
             out += [f"strategy.{k}={self.dims[k]}" for k in ("dp_replicate", "dp_shard", "tp", "pp")]
+        if self.dims.get("cp", 1) > 1:
+            out.append(f"strategy.cp={self.dims['cp']}")
+        if self.sequence_parallel:
+            out.append("strategy.sequence_parallel=true")
             if not strategies.get(self.flavour).reshard_after_forward:
                 out.append("strategy.reshard_after_forward=false")
         out += [] if global_batch is not None else [f"train.micro_batch={self.micro_batch}"]
@@ -165,27 +189,46 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def layouts(world: int, shape: Shape) -> Iterator[tuple[str, ParallelDims]]:
-    """Every (flavour, degrees) the model and the implementation allow on `world` devices."""
+def layouts(world: int, shape: Shape, context_parallel: bool = False) -> Iterator[tuple[str, ParallelDims]]:
+    """Every (flavour, degrees) the model and the implementation allow on `world` devices (cp > 1
+    only when `context_parallel`)."""
     for tp in divisors(world):
         if tp > 1 and (shape.block_linear_params == 0 or any(size % tp for size in shape.tp_sizes)):
             continue
-        for pp in divisors(world // tp):
-            if pp > 1 and (not shape.pipeline or pp > shape.layers):
+        for cp in divisors(world // tp) if context_parallel else [1]:
+            if cp > 1 and shape.seq_len % (2 * cp):
                 continue
-            dp = world // tp // pp
-            for shard in divisors(dp):
-                d = ParallelDims(dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp)
-                if shard > 1:
-                    yield from ((f.name, d) for f in strategies.flavours() if f.wrapper == "fsdp")
-                elif d.dp_replicate > 1 and tp == 1 and pp == 1:
-                    yield from ((f.name, d) for f in strategies.flavours() if f.wrapper == "ddp")
-                else:
-                    # One replica; replicas of a tensor-parallel model (DDP can't replicate
-                    # DTensors: they go through FSDP's replicate mesh, which holds what DDP does);
-                    # or replicas of pipeline stages, which strategy=hybrid wraps in plain DDP (a
-                    # sharded optimizer there is not something it can be told to build).
-                    yield strategies.flavours()[0].name, d
+            for pp in divisors(world // tp // cp):
+                if pp > 1 and (not shape.pipeline or pp > shape.layers):
+                    continue
+                yield from _data_parallel(world // tp // cp // pp, tp, cp, pp)
+
+
+def _data_parallel(dp: int, tp: int, cp: int, pp: int) -> Iterator[tuple[str, ParallelDims]]:
+    """The data-parallel flavours of `dp` ranks around the other degrees."""
+    for shard in divisors(dp):
+        d = ParallelDims(dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp, cp=cp)
+        if shard > 1 or cp > 1:  # FSDP shards over dp_shard x cp
+            yield from ((f.name, d) for f in strategies.flavours() if f.wrapper == "fsdp")
+        elif d.dp_replicate > 1 and tp == 1 and pp == 1:
+            yield from ((f.name, d) for f in strategies.flavours() if f.wrapper == "ddp")
+        else:
+            # One replica; replicas of a tensor-parallel model (DDP can't replicate
+            # DTensors: they go through FSDP's replicate mesh, which holds what DDP does);
+            # or replicas of pipeline stages, which strategy=hybrid wraps in plain DDP (a
+            # sharded optimizer there is not something it can be told to build).
+            yield strategies.flavours()[0].name, d
+
+
+def search_cp(shape: Shape, variants: list[Variant], memory_limit: float, devices_per_node: int) -> bool:
+    """Whether context parallelism is worth searching: the model can be split over the sequence and
+    a sample's activations, at the least any setting saves and divided by a node's tensor
+    parallelism, still take a quarter of a device (the point where sequence length, not states,
+    is the memory problem, as at Llama 3's 128K context)."""
+    if not shape.context_parallel or shape.seq_len < 2 or not variants:
+        return False
+    least = min(v.activation_bytes_per_sample for v in variants)
+    return least / max(min(devices_per_node, max(shape.tp_sizes or (1,))), 1) > memory_limit / 4
 
 
 def batch_splits(space: Space, dp: int) -> list[tuple[int, int]]:
@@ -215,46 +258,37 @@ def search(space: Space, shape: Shape, hw: Hardware, tokens_per_sample: int, mod
     scaling efficiency is against one device running the same setting."""
     kept: list[Candidate] = []
     evaluated = 0
-    for flavour, d in layouts(space.world, shape):
+    for flavour, d in layouts(space.world, shape, space.context_parallel):
         name = strategy_name(flavour, d)
         if space.strategies is not None and name not in space.strategies:
             continue
         buckets = space.bucket_caps_mb if strategies.get(flavour).wrapper == "ddp" and d.dp_replicate > 1 else (25.0,)
         for variant in space.variants:
             single = 1.0 / variant.seconds_per_sample
-            for micro, accum in batch_splits(space, d.dp_size):
-                fitted = False
-                for schedule, m in pipeline_settings(space, d, micro):
-                    # DDP's buckets are a knob of one layout, not layouts of their own: the best one.
-                    best: Candidate | None = None
-                    for bucket in buckets:
-                        w = Workload(shape=shape, micro_batch=micro, grad_accum=accum, microbatches=m,
-                                     precision=variant.precision,
-                                     checkpointing=variant.activation_checkpointing == "full",
-                                     tokens_per_sample=tokens_per_sample,
-                                     activation_bytes_per_sample=variant.activation_bytes_per_sample,
-                                     activation_replicated_bytes_per_sample=(
-                                         variant.activation_replicated_bytes_per_sample),
-                                     activation_outside_blocks_bytes_per_sample=(
-                                         variant.activation_outside_blocks_bytes_per_sample),
-                                     loss_temp_bytes_per_sample=variant.loss_temp_bytes_per_sample,
-                                     bucket_cap_bytes=bucket * 1024**2, seconds_per_sample=variant.seconds_per_sample,
-                                     clip=space.clip, pp_schedule=schedule)
-                        if not feasible(shape, d, w):
-                            continue
-                        p = predict_layout(w, hw, flavour, d, memory_limit, overlap, single, calibration, name)
-                        evaluated += 1
-                        if p is None:
-                            continue
-                        c = _candidate(p, flavour, d, w, variant, schedule, bucket, model_flops_per_sample, space,
-                                       command_prefix)
-                        if best is None or (c.fits, c.tokens_per_s) > (best.fits, best.tokens_per_s):
-                            best = c
-                    if best is not None:
-                        kept.append(best)
-                        fitted = fitted or best.fits
-                if fitted:
-                    break  # a smaller micro-batch of this layout and setting can only be slower
+            for sp in ((False, True) if d.tp > 1 else (False,)):
+                for micro, accum in batch_splits(space, d.dp_size):
+                    fitted = False
+                    for schedule, m in pipeline_settings(space, d, micro):
+                        # DDP's buckets are a knob of one layout, not layouts of their own: the best one.
+                        best: Candidate | None = None
+                        for bucket in buckets:
+                            w = variant.workload(shape, micro, accum, m, schedule, bucket, space.clip, tokens_per_sample,
+                                                 sp)
+                            if not feasible(shape, d, w):
+                                continue
+                            p = predict_layout(w, hw, flavour, d, memory_limit, overlap, single, calibration, name)
+                            evaluated += 1
+                            if p is None:
+                                continue
+                            c = _candidate(p, flavour, d, w, variant, schedule, bucket, model_flops_per_sample, space,
+                                           command_prefix)
+                            if best is None or (c.fits, c.tokens_per_s) > (best.fits, best.tokens_per_s):
+                                best = c
+                        if best is not None:
+                            kept.append(best)
+                            fitted = fitted or best.fits
+                    if fitted:
+                        break  # a smaller micro-batch of this layout and setting can only be slower
     return Searched(rank(kept, space.devices_per_node), evaluated)
 
 
@@ -263,13 +297,13 @@ def _candidate(p: Prediction, flavour: str, d: ParallelDims, w: Workload, varian
     per_device = p.samples_per_s / d.world_size
     candidate = Candidate(
         strategy=p.strategy, flavour=flavour,
-        dims={"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp},
+        dims={"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp},
         micro_batch=w.micro_batch, grad_accum=w.grad_accum, activation_checkpointing=variant.activation_checkpointing,
         precision=variant.precision, pp_schedule=schedule, microbatches=w.microbatches, bucket_cap_mb=bucket,
         fits=p.fits, memory_per_device_bytes=p.memory_per_device_bytes, step_time_s=p.step_time_s,
         tokens_per_s=p.tokens_per_s,
         mfu_pct=100 * model_flops_per_sample * per_device / variant.peak_flops if variant.peak_flops else None,
-        scaling_efficiency=p.scaling_efficiency, command="", prediction=p,
+        scaling_efficiency=p.scaling_efficiency, command="", prediction=p, sequence_parallel=w.sequence_parallel,
     )
     command = " ".join(filter(None, ["python run.py", command_prefix, *candidate.overrides(space.global_batch)]))
     return _with(candidate, command=command)
@@ -287,9 +321,10 @@ def _simplicity(c: Candidate) -> tuple:
 
 
 def crosses_nodes(c: Candidate, devices_per_node: int | None) -> bool:
-    """Whether the candidate's tensor-parallel group spans nodes (it is the innermost dimension:
-    its ranks are neighbours, so it crosses exactly when it is larger than a node)."""
-    return devices_per_node is not None and c.dims["tp"] > devices_per_node
+    """Whether the candidate's tensor- or context-parallel group spans nodes (they are the innermost
+    dimensions, cp around tp: their ranks are neighbours, so they cross exactly when tp x cp is
+    larger than a node)."""
+    return devices_per_node is not None and c.dims["tp"] * c.dims.get("cp", 1) > devices_per_node
 
 
 def rank(candidates: list[Candidate], devices_per_node: int | None = None) -> list[Candidate]:
@@ -331,7 +366,7 @@ def closest_miss(ranked: list[Candidate], memory_limit: float) -> str:
 
 def dims_label(dims: dict[str, int]) -> str:
     """The non-trivial degrees, outermost first: `pp2xtp2`, or `1 device`."""
-    return "x".join(f"{k}{dims[k]}" for k in ("pp", "dp_replicate", "dp_shard", "tp") if dims.get(k, 1) > 1) or "1 device"
+    return "x".join(f"{k}{dims[k]}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if dims.get(k, 1) > 1) or "1 device"
 
 
 def setting_label(dims: dict[str, int], micro_batch: int, grad_accum: int, precision: str, checkpointing: str) -> str:

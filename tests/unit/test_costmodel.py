@@ -185,7 +185,7 @@ def test_a_calibrated_plan_predicts_on_the_timing_its_scales_were_fitted_on():
     made on that basis: the fit's own points come back as measured whatever the new timing read."""
     from training.costmodel import Hardware, MeasuredStep, Workload, fit_calibration, predict_layout
 
-    w = Workload(gpt()[0].anatomy.shape, micro_batch=8, grad_accum=1, microbatches=1, precision="fp32", checkpointing=False,
+    w = Workload(gpt()[0].anatomy.shape, micro_batch=8, grad_accum=1, microbatches=1, precision="fp32", checkpointing="none",
                  tokens_per_sample=64, activation_bytes_per_sample=1e3)
     link = {"all_reduce": Link(alpha_s=1e-4, busbw_gbps=0.5, world=2)}
     earlier = Hardware(1e12, 10**9, link, link, seconds_per_sample=1e-3)

@@ -4,6 +4,8 @@ layers, s=64, b=4, fp32)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from training.costmodel import (
@@ -30,7 +32,7 @@ MEASURED_KV_GATHER_PER_LAYER = 32_768
 
 
 def workload(**changes) -> Workload:
-    base = dict(shape=SHAPE, micro_batch=B, grad_accum=1, microbatches=1, precision="fp32", checkpointing=False,
+    base = dict(shape=SHAPE, micro_batch=B, grad_accum=1, microbatches=1, precision="fp32", checkpointing="none",
                 tokens_per_sample=SEQ, activation_bytes_per_sample=MEASURED_CP1_BLOCKS / B)
     return Workload(**{**base, **changes})
 
@@ -52,7 +54,7 @@ def test_cp_all_gathers_k_and_v_per_layer_as_measured():
     assert gathered / LAYERS == pytest.approx(MEASURED_KV_GATHER_PER_LAYER)
     assert ("all_gather", Group(2, 2)) in seen and ("reduce_scatter", Group(2, 2)) in seen
     recomputed = comm_time(SHAPE, "ddp", ParallelDims(cp=2), B, 1, 1, "fp32", link, devices_per_node=8,
-                           recompute=True)
+                           recompute="full")
     assert recomputed.tensor_parallel_s == pytest.approx(comm.tensor_parallel_s * 3 / 2), "full AC gathers again"
 
 
@@ -68,15 +70,22 @@ def test_sequence_parallel_moves_tps_bytes_as_all_gathers_and_reduce_scatters():
     d = ParallelDims(tp=2)
     plain = comm_time(SHAPE, "ddp", d, B, 1, 1, "fp32", link).tensor_parallel_s
     sp = comm_time(SHAPE, "ddp", d, B, 1, 1, "fp32", link, sequence_parallel=True).tensor_parallel_s
-    calls = 4 * LAYERS
-    volume = calls * B * SEQ * D * FP32 * BUS_FACTOR["all_reduce"](2) / 1e9
-    assert plain == pytest.approx(volume + calls * 1e-6)
-    assert sp == pytest.approx(volume + 2 * calls * 1e-6), "the same bus bytes in twice the calls"
+    activation = B * SEQ * D * FP32
+    reduces = 4 * LAYERS  # two forward, two backward
+    assert plain == pytest.approx(reduces * (activation * BUS_FACTOR["all_reduce"](2) / 1e9 + 1e-6))
+    # Forward two all-gathers and two reduce-scatters, backward two reduce-scatters and four
+    # all-gathers (the saved shards gathered again), each a whole activation.
+    moved = 10 * LAYERS
+    assert sp == pytest.approx(moved * (activation * BUS_FACTOR["all_gather"](2) / 1e9 + 1e-6))
+    full = comm_time(SHAPE, "ddp", d, B, 1, 1, "fp32", link, sequence_parallel=True, recompute="full").tensor_parallel_s
+    assert full == pytest.approx(sp * 14 / 10), "full recomputation repeats the forward's four"
 
 
 def test_sequence_parallel_shards_what_tp_alone_leaves_whole():
     w = workload(activation_replicated_bytes_per_sample=MEASURED_CP1_BLOCKS / B / 2)
     tp = activation_memory(w, ParallelDims(tp=2))
-    sp = activation_memory(w.__class__(**{**w.__dict__, "sequence_parallel": True}), ParallelDims(tp=2))
+    head = MEASURED_CP1_BLOCKS / B / 8  # what stays whole under SP: the head's input, logits, loss
+    sp = activation_memory(dataclasses.replace(w, sequence_parallel=True,
+                                               activation_sequence_replicated_bytes_per_sample=head), ParallelDims(tp=2))
     assert tp == MEASURED_CP1_BLOCKS * (0.5 + 0.5 / 2)
-    assert sp == MEASURED_CP1_BLOCKS / 2
+    assert sp == B * (head + (MEASURED_CP1_BLOCKS / B - head) / 2)

@@ -109,7 +109,7 @@ def test_zero3_holds_the_root_gathered_and_in_backward_two_blocks_and_one_blocks
 
 def workload(schedule: str, microbatches: int) -> Workload:
     return Workload(SHAPE, micro_batch=8, grad_accum=1, microbatches=microbatches, precision="bf16",
-                    checkpointing=False, tokens_per_sample=S, activation_bytes_per_sample=1000.0,
+                    checkpointing="none", tokens_per_sample=S, activation_bytes_per_sample=1000.0,
                     pp_schedule=schedule)
 
 
@@ -154,7 +154,7 @@ def test_the_peak_is_the_highest_of_backwards_start_a_blocks_backward_and_after(
 
 
 def test_tp_divides_only_the_split_part_of_the_activations():
-    w = Workload(SHAPE, micro_batch=1, grad_accum=1, microbatches=1, precision="bf16", checkpointing=False,
+    w = Workload(SHAPE, micro_batch=1, grad_accum=1, microbatches=1, precision="bf16", checkpointing="none",
                  tokens_per_sample=S, activation_bytes_per_sample=1000.0, activation_replicated_bytes_per_sample=250.0)
     assert activation_memory(w, ParallelDims(tp=4)) == 250.0 + 750.0 / 4
 
