@@ -334,13 +334,14 @@ def rank(candidates: list[Candidate], devices_per_node: int | None = None) -> li
     Llama 3 run TP <= 8; the model's α–β tiers may miss what crossing costs). Then the ones that
     don't fit, by the memory they need."""
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: -c.tokens_per_s)
+    simplicity = {id(c): _simplicity(c) for c in fitting}
     ordered: list[Candidate] = []
     while fitting:
-        top = fitting[0].tokens_per_s
-        tied = [c for c in fitting if c.tokens_per_s >= (1 - TIE) * top]
-        best = min(tied, key=_simplicity)
-        ordered.append(best)
-        fitting.remove(best)
+        # The candidates within TIE of the fastest left are a prefix of the sorted list.
+        floor, end = (1 - TIE) * fitting[0].tokens_per_s, 1
+        while end < len(fitting) and fitting[end].tokens_per_s >= floor:
+            end += 1
+        ordered.append(fitting.pop(min(range(end), key=lambda i: simplicity[id(fitting[i])])))
     if ordered and crosses_nodes(ordered[0], devices_per_node):
         local = next((c for c in ordered if not crosses_nodes(c, devices_per_node)
                       and c.tokens_per_s >= (1 - NODE_LOCAL) * ordered[0].tokens_per_s), None)
