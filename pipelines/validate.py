@@ -21,6 +21,7 @@ from training.config import ConfigError
 from training.contract import ContractFacts
 from training.files import write_atomic
 from training.parallel.dims import ParallelDims
+from training.parallel.schedules import checkpointing_problem, data_parallel_problem, microbatches_problem
 
 if TYPE_CHECKING:
     from pipelines.placement import Placement
@@ -247,6 +248,14 @@ def _check_strategy(cfg: Config, dims: ParallelDims, facts: ContractFacts) -> No
         if dims.pp > facts.blocks:
             raise ConfigError("strategy.pp", dims.pp, f"more pipeline stages than the {facts.blocks} blocks of "
                               f"model={model}")
+        problem = (data_parallel_problem(s.pp_schedule, dims.world_size // (dims.pp * dims.tp))
+                   or checkpointing_problem(s.pp_schedule, s.activation_checkpointing))
+        if problem is not None:
+            raise ConfigError("strategy.pp_schedule", s.pp_schedule, problem)
+        if dims.pp * s.pp_virtual_stages > facts.blocks:
+            raise ConfigError("strategy.pp_virtual_stages", s.pp_virtual_stages, f"pp x pp_virtual_stages = "
+                              f"{dims.pp * s.pp_virtual_stages} stages, more than the {facts.blocks} blocks of "
+                              f"model={model}")
     if s.activation_checkpointing != "none" and facts.blocks == 0:
         raise ConfigError("strategy.activation_checkpointing", s.activation_checkpointing, f"model={model} has no "
                           "repeated blocks to checkpoint: name them with model.blocks=<dotted path of the list>")
@@ -254,6 +263,7 @@ def _check_strategy(cfg: Config, dims: ParallelDims, facts: ContractFacts) -> No
         raise ConfigError("strategy.sequence_parallel", True, facts.sp_problem)
     if dims.cp > 1:
         _check_cp(cfg, dims.cp, facts)
+
 
 def _check_cp(cfg: Config, cp: int, facts: ContractFacts) -> None:
     """Context parallelism splits token sequences and the attention that goes through
@@ -277,12 +287,14 @@ def _check_cp(cfg: Config, cp: int, facts: ContractFacts) -> None:
                           f"chunks i and {2 * cp}-1-i of {2 * cp} equal chunks")
 
 
-
 def _check_batches(cfg: Config, dims: ParallelDims, facts: ContractFacts) -> None:
     t, s = cfg.train, cfg.strategy
     micro = t.micro_batch_for(dims.dp_size)
     if dims.pp > 1 and micro % s.microbatches:
         raise ConfigError("strategy.microbatches", s.microbatches, f"must divide the micro-batch of {micro} samples")
+    problem = microbatches_problem(s.pp_schedule, dims.pp, s.pp_virtual_stages, s.microbatches)
+    if problem is not None:
+        raise ConfigError("strategy.microbatches", s.microbatches, problem)
     global_batch = micro * t.grad_accum * dims.dp_size
     if cfg.cluster.measured and facts.num_samples < global_batch:
         raise ConfigError("data", cfg.data.name, f"holds {facts.num_samples} samples, fewer than one global batch "

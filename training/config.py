@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from training import strategies
+from training.parallel.schedules import PP_SCHEDULES, virtual_stages_problem
 
 
 class ConfigError(ValueError):
@@ -37,7 +38,6 @@ def _one_of(key: str, value: str, options: tuple[str, ...]) -> None:
 
 
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
-PP_SCHEDULES = ("gpipe", "1f1b")
 AC_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("cosine", "constant")
@@ -157,7 +157,11 @@ class StrategyConfig:
     microbatches: int = 2
     """Pipeline microbatches per micro-batch (pp > 1); must divide the micro-batch."""
     pp_schedule: str = "gpipe"
-    """Pipeline schedule: `gpipe` or `1f1b`."""
+    """Pipeline schedule: `gpipe` or `1f1b` (one stage per rank), `interleaved_1f1b` or `zero_bubble`
+    (pp_virtual_stages >= 2 looped stages per rank), `zbv` or `dualpipev` (two stages per rank in a V)."""
+    pp_virtual_stages: int = 1
+    """Pipeline stages per rank (the model is cut into pp x this many): 1 for gpipe/1f1b, >= 2 for
+    interleaved_1f1b/zero_bubble, 2 for zbv/dualpipev."""
     reshard_after_forward: bool | None = None
     """FSDP: free gathered parameters after forward (zero3) or keep them for backward (zero2);
     null takes the strategy's choice (true except for zero2)."""
@@ -186,6 +190,10 @@ class StrategyConfig:
                 raise ConfigError(key, value, "must be >= 1, -1 (the leftover ranks) or null (the preset)")
         _at_least("microbatches", self.microbatches, 1)
         _one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        _at_least("pp_virtual_stages", self.pp_virtual_stages, 1)
+        problem = virtual_stages_problem(self.pp_schedule, self.pp_virtual_stages)
+        if problem is not None:
+            raise ConfigError("pp_virtual_stages", self.pp_virtual_stages, problem)
         _one_of("activation_checkpointing", self.activation_checkpointing, AC_MODES)
         _one_of("precision", self.precision, PRECISIONS)
         _at_least("bucket_cap_mb", self.bucket_cap_mb, 1e-3, "a number")
