@@ -150,8 +150,8 @@ def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> 
     heads = max((v for k, v in divisors.items() if not k.endswith("_features")), default=1)
     try:
         layout = spec.layout(model)
-        first = sum(count_params(getattr(model, a)) for a in layout.first if getattr(model, a, None) is not None)
-        last = sum(count_params(getattr(model, a)) for a in layout.last if getattr(model, a, None) is not None)
+        first = sum(count_params(m) for m in layout.parts(model, layout.first))
+        last = sum(count_params(m) for m in layout.parts(model, layout.last))
         pipeline = True
     except ContractError:
         first, last, pipeline = params - block_params, 0, False

@@ -208,6 +208,7 @@ def _declarations(model: Any, model_cfg: ModelConfig, data_cfg: DataConfig, data
                   params: int, checked_on: str) -> ContractFacts:
     from training.models import tokens_per_sample
     from training.models.spec import ContractError, find_blocks, model_spec, tp_divisors
+    from training.parallel.chunks import composition_problem
 
     try:
         find_blocks(model, model_cfg.blocks)
@@ -225,8 +226,10 @@ def _declarations(model: Any, model_cfg: ModelConfig, data_cfg: DataConfig, data
         except ContractError as err:
             tp_problem = str(err)
     try:
-        spec.layout(model)
-        pipeline_problem = None
+        layout = spec.layout(model)
+        # A real batch through the stages the layout cuts (only the CPU check runs one).
+        runs = checked_on == "cpu" and not isinstance(batch, dict)
+        pipeline_problem = composition_problem(model, layout, batch[0]) if runs else None
     except ContractError as err:
         pipeline_problem = str(err)
     try:

@@ -132,8 +132,10 @@ class StepProbe:
     def __init__(self, model: nn.Module, dev: torch.device):
         self.model, self.dev = model, dev
         self.saved = SavedActivations(model)
-        self._after_forward = 0
-        self._hook = None
+        self._after_forward: dict[int, int] = {}
+        """Each chunk's largest parameter bytes after its forward (one chunk but on pipeline ranks
+        holding several stages, each gathered by its own FSDP root)."""
+        self._hooks: list = []
 
     def __enter__(self) -> StepProbe:
         import torch
@@ -141,24 +143,26 @@ class StepProbe:
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)
             torch.cuda.reset_peak_memory_stats(self.dev)
-        self._hook = self.model.register_forward_hook(self._on_forward)
+        from training.parallel.chunks import parts
+
+        self._hooks = [part.register_forward_hook(self._on_forward) for part in parts(self.model)]
         self.saved.__enter__()
         return self
 
     def _on_forward(self, module: nn.Module, args: object, output: object) -> None:
         held = sum(tensor_bytes(p) for p in module.parameters())
-        self._after_forward = max(self._after_forward, held)
+        self._after_forward[id(module)] = max(self._after_forward.get(id(module), 0), held)
 
     def __exit__(self, *exc: object) -> None:
         self.saved.__exit__(*exc)
-        if self._hook is not None:
-            self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
 
     def finish(self, optimizer: torch.optim.Optimizer) -> StepMemory:
         import torch
 
         params, grads, optim = state_bytes(self.model, optimizer)
-        params = max(params, self._after_forward)
+        params = max(params, sum(self._after_forward.values()))
         activations = self.saved.bytes
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)

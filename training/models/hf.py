@@ -3,8 +3,9 @@
 `model=hf-llama` names `causal_lm` with the model and config classes of one family; any causal-LM
 family of transformers works the same way. The model keeps its own declarations, which the
 parallel code reads like any user model's: `config.base_model_tp_plan` (colwise/rowwise strings
-relative to the base model) and `_no_split_modules` (the decoder layer: the FSDP and checkpointing
-unit). Its forward returns `.loss` when given labels, and its logits otherwise.
+relative to the base model), `_no_split_modules` (the decoder layer: the FSDP and checkpointing
+unit) and `config.base_model_pp_plan` (the pipeline layout: training/models/spec.py). Its forward
+returns `.loss` when given labels, and its logits otherwise.
 """
 
 from __future__ import annotations
@@ -36,3 +37,20 @@ def causal_lm(model_class: str, config_class: str, pretrained: str | None = None
         model.weights_dir = str(pretrained)
         return model
     return model_type(config_type(**config))
+
+
+def stage_forward(model: nn.Module, first: bool) -> None:
+    """Make a pipeline stage of a Hugging Face causal LM (the parts it doesn't own replaced by
+    pass-through placeholders) take and return the one tensor stages pass on, through the model's
+    own forward, as transformers' own pipeline split does: the first stage takes the token ids,
+    the others the hidden states as `inputs_embeds` (the embedding is then not called). The base
+    model's forward computes the positions, the causal mask and the rotary embedding from what it
+    is given, on every stage. Out comes `.logits`: the logits on the last stage, the hidden states
+    elsewhere (the head there is a placeholder). No KV cache: training keeps none."""
+    own = model.forward
+    key = "input_ids" if first else "inputs_embeds"
+
+    def forward(x: Any, **kwargs: Any) -> Any:
+        return own(**{key: x}, use_cache=False, **kwargs).logits
+
+    model.forward = forward

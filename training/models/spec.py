@@ -12,7 +12,12 @@ The parallel code (training/parallel/) reads these and names no module of any mo
   entries to a plan that lacks them.
 - **pipeline layout** (torchtitan's contract): blocks in an `nn.ModuleDict` (names stay stable when
   a stage deletes the others), `pp_first`/`pp_last` naming what only the first and last stage keep,
-  and a forward that skips whatever is None.
+  and a forward that skips whatever is None. Else Hugging Face's: `config.base_model_pp_plan` names
+  the base model's parts in forward order (those before the blocks' container only the first stage
+  keeps, those after it only the last), the model class's `_pp_plan` its head (the last stage's);
+  a stage's missing parts become pass-through placeholders, since Hugging Face's forward calls
+  them all, and its forward is adapted (training/models/hf.py: token ids in on the first stage,
+  hidden states as `inputs_embeds` on the others, a tensor out).
 """
 
 from __future__ import annotations
@@ -48,13 +53,49 @@ class Block:
         setattr(self.parent, self.name, module)
 
 
+class Skipped(nn.Module):
+    """What a pipeline stage holds in place of a part it doesn't own, where the model's forward calls
+    every part (Hugging Face's): passes its first input through (transformers' PipelineIdentityLayer).
+    Keeps the plain attributes of the part it stands for (a layer's `attention_type`, which some
+    forwards read to pick a mask)."""
+
+    def __init__(self, stands_for: nn.Module | None = None):
+        super().__init__()
+        for key, value in vars(stands_for or nn.Module()).items():
+            if not key.startswith("_") and isinstance(value, str | int | float | bool):
+                setattr(self, key, value)
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return args[0] if args else next(iter(kwargs.values()))
+
+
 @dataclass(frozen=True)
 class PipelineLayout:
-    container: nn.ModuleDict
+    container: str
+    """Dotted path of the blocks' container (an nn.ModuleDict, or a ModuleList under placeholders)."""
     first: tuple[str, ...]
-    """Attributes of the model only the first stage keeps (embeddings)."""
+    """Dotted paths of what only the first stage keeps (embeddings)."""
     last: tuple[str, ...]
-    """Attributes only the last stage keeps (final norm, head)."""
+    """Dotted paths of what only the last stage keeps (final norm, head)."""
+    source: str = "pp_first/pp_last"
+    placeholders: bool = False
+    """A stage's missing blocks and ends become `Skipped` (the forward calls them all), instead of
+    being deleted (blocks) and set to None (ends)."""
+    stage_forward: Callable[[nn.Module, bool], None] | None = None
+    """Adapts a stage module's forward (given whether it is the first stage) to take and return the
+    one tensor stages pass on; None: the model's own forward does."""
+
+    def parts(self, model: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
+        """The modules at `paths` that `model` still holds (a stage removed the others)."""
+        found = [_submodule(model, path) for path in paths]
+        return [m for m in found if m is not None and not isinstance(m, Skipped)]
+
+
+def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:  # a stage set it to None
+        return None
 
 
 def find_blocks(model: nn.Module, path: str | None = None) -> list[Block]:
@@ -142,7 +183,8 @@ def _pattern(glob: str) -> re.Pattern[str]:
 def resolve_plan(model: nn.Module, plan: dict[str, str], source: str) -> dict[str, str]:
     """The plan's linear entries expanded to the module names they match, checked: every style is
     one we apply and every pattern matches a linear layer (`sequence_parallel` entries: sp_norms)."""
-    names = {name: module for name, module in model.named_modules()}
+    # A pipeline stage's placeholders (Skipped) stand for parts it doesn't hold: nothing to split.
+    names = {name: module for name, module in model.named_modules() if not isinstance(module, Skipped)}
     resolved: dict[str, str] = {}
     for pattern, style in plan.items():
         if style == SP_STYLE:
@@ -166,7 +208,7 @@ def sp_norms(model: nn.Module, plan: dict[str, str], source: str, whole: bool = 
     ContractError for a pattern that matches nothing in a `whole` model (a pipeline stage holds
     only some)."""
     patterns = [p for p, style in plan.items() if style == SP_STYLE]
-    names = [name for name, _ in model.named_modules()]
+    names = [name for name, module in model.named_modules() if not isinstance(module, Skipped)]
     for pattern in patterns if whole else []:
         if not any(_pattern(pattern).match(n) for n in names):
             raise ContractError(f"{source}[{pattern!r}] matches no module of {type(model).__name__}")
@@ -196,12 +238,57 @@ def pipeline_layout(model: nn.Module, blocks: list[Block]) -> PipelineLayout:
     first, last = getattr(model, "pp_first", None), getattr(model, "pp_last", None)
     parents = {id(b.parent) for b in blocks}
     container = blocks[0].parent if blocks else None
-    if first is None or last is None or len(parents) != 1 or not isinstance(container, nn.ModuleDict):
+    path = blocks_path(model, blocks) if blocks else None
+    if first is not None and last is not None and len(parents) == 1 and isinstance(container, nn.ModuleDict):
+        layout = PipelineLayout(path or "", tuple(first), tuple(last))
+    else:
+        layout = _hf_layout(model, path)
+    if layout is None:
         raise ContractError(
             f"{type(model).__name__} declares no pipeline layout: keep its blocks in an nn.ModuleDict, set "
             "pp_first and pp_last (the attributes only the first and the last stage keep, e.g. embeddings and "
             "head) on the class, and let forward skip whatever is None; or use ddp, zero1/2/3 or tp")
-    return PipelineLayout(container, tuple(first), tuple(last))
+    _check_untied(model, layout)
+    return layout
+
+
+def _hf_layout(model: nn.Module, container: str | None) -> PipelineLayout | None:
+    """The layout Hugging Face's `config.base_model_pp_plan` declares (its parts in forward order,
+    relative to the base model) with the class's `_pp_plan` (the head); None without a plan that
+    names the blocks' container."""
+    config = getattr(model, "config", None)
+    plan = getattr(config, "base_model_pp_plan", None)
+    if not plan or container is None:
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    base = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+    paths = [f"{base}{name}" for name in plan]
+    if container not in paths:
+        return None
+    at = paths.index(container)
+    head = tuple(getattr(type(model), "_pp_plan", None) or {})
+    first, last = tuple(paths[:at]), (*paths[at + 1:], *head)
+    missing = [p for p in (*first, *last) if _submodule(model, p) is None]
+    if missing:
+        raise ContractError(f"{type(config).__name__}.base_model_pp_plan names {missing[0]!r}, which "
+                            f"{type(model).__name__} does not have")
+    from training.models.hf import stage_forward
+
+    return PipelineLayout(container, first, last, f"{type(config).__name__}.base_model_pp_plan",
+                          placeholders=True, stage_forward=stage_forward)
+
+
+def _check_untied(model: nn.Module, layout: PipelineLayout) -> None:
+    """A parameter the first and the last stage share (tied embeddings) would be two parameters,
+    each trained by its own stage: refuse the layout."""
+    first = {id(p): path for path in layout.first for m in layout.parts(model, (path,)) for p in m.parameters()}
+    for path in layout.last:
+        for name, p in (m for module in layout.parts(model, (path,)) for m in module.named_parameters()):
+            if id(p) in first:
+                raise ContractError(f"{type(model).__name__} ties {path}.{name} to a parameter of "
+                                    f"{first[id(p)]}: the first and last pipeline stages would each train "
+                                    "their own copy; untie them (tie_word_embeddings=false) or use ddp, "
+                                    "zero1/2/3 or tp")
 
 
 @dataclass(frozen=True)
@@ -229,8 +316,9 @@ class ModelSpec:
     """Set when the model's parameters are still on the meta device, waiting for their shards."""
 
     def live_blocks(self) -> list[Block]:
-        """The blocks still in the model (a pipeline stage deletes the others)."""
-        return [b for b in self.blocks if b.name in dict(b.parent.named_children())]
+        """The blocks still in the model (a pipeline stage deletes the others, or skips them)."""
+        return [b for b in self.blocks
+                if b.name in dict(b.parent.named_children()) and not isinstance(b.module, Skipped)]
 
     def tp_plan(self, model: nn.Module) -> dict[str, str]:
         """The plan resolved to module names; ContractError when the model has none."""

@@ -11,6 +11,7 @@ training loop needs, so that the loop itself is the same for every strategy.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from training.models import Batch, LossFn, forward
 from training.models.spec import ModelSpec
 from training.models.weights import Weights
 from training.parallel.ac import apply_ac
+from training.parallel.chunks import chunk_blocks, each, parts
 from training.parallel.cp import ContextParallel
 from training.parallel.ddp import BucketTimer, apply_ddp, time_buckets
 from training.parallel.dims import ParallelDims, ddp_mesh, fsdp_mesh, resolve_dims  # noqa: F401 - re-exported
@@ -32,6 +34,7 @@ from training.parallel.fsdp import apply_fsdp
 from training.parallel.materialize import materialize
 from training.parallel.pp import apply_pp, build_schedule, is_first, is_last
 from training.parallel.precision import apply_low_precision
+from training.parallel.schedules import checkpointing_problem, data_parallel_problem
 from training.parallel.tp import apply_tp, sequence_layout
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -41,7 +44,8 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 class Parallel:
     dims: ParallelDims
     model: nn.Module
-    """This rank's part of the model, wrapped: what the optimizer steps."""
+    """This rank's part of the model, wrapped: what the optimizer steps. A pipeline rank holding
+    several stages holds a PipelineChunks, one wrapped chunk per stage (training/parallel/chunks.py)."""
     dp_rank: int
     """Which slice of each global batch this rank trains on."""
     first_stage: bool
@@ -117,19 +121,24 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
     if cp is not None:
         cp.install(model)  # the module whose forward takes position_ids (a wrapper's forward passes them on)
     first = last = True
+    specs = [spec]  # each chunk's spec (its own blocks): one, unless a rank holds several stages
     if use.pp:
-        model = apply_pp(model, spec.layout(model), mesh["pp"])
-        first, last = is_first(mesh["pp"]), is_last(mesh["pp"])
+        model, specs = _split(model, spec, strategy, dims, mesh["pp"])
+        first = is_first(mesh["pp"], strategy.pp_schedule, strategy.pp_virtual_stages)
+        last = is_last(mesh["pp"], strategy.pp_schedule, strategy.pp_virtual_stages)
     if use.tp:
-        sequence = sequence_layout(model, spec, strategy.activation_checkpointing) if strategy.sequence_parallel else None
-        apply_tp(model, spec.tp_plan(model), mesh["tp"], sequence)
+        for part, part_spec in zip(parts(model), specs, strict=True):
+            sequence = (sequence_layout(part, part_spec, strategy.activation_checkpointing)
+                        if strategy.sequence_parallel else None)
+            apply_tp(part, part_spec.tp_plan(part), mesh["tp"], sequence)
     if strategy.activation_checkpointing != "none":
         apply_ac(spec.live_blocks(), strategy.activation_checkpointing)
     dp_group = None
     masters: dict[nn.Parameter, torch.Tensor] = {}
     if use.fsdp:
         shard_mesh = fsdp_mesh(mesh, dims, use.cp_replicates)
-        apply_fsdp(model, spec.live_blocks(), shard_mesh, strategy.reshard, dtype)
+        for part, part_spec in zip(parts(model), specs, strict=True):
+            apply_fsdp(part, part_spec.live_blocks(), shard_mesh, strategy.reshard, dtype)
         dp_group = dp_mesh.get_group()
     if spec.pending is not None and not layout_only:
         # Sharded on the meta device: now each rank allocates and initialises its shard alone.
@@ -139,12 +148,12 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
         spec.pending = None
     if dtype is torch.bfloat16 and not use.fsdp:
         # FSDP's numerics without FSDP: bf16 parameters, the fp32 ones kept as the optimizer's masters.
-        masters = apply_low_precision(model, dtype)
+        masters = {new: old for part in parts(model) for new, old in apply_low_precision(part, dtype).items()}
     if use.ddp:
         dp_group = ddp_mesh(mesh, dims).get_group() if mesh is not None else None
         if not layout_only:
-            model = apply_ddp(model, dev, strategy.bucket_cap_mb, strategy.find_unused_parameters or dims.pp_enabled,
-                              process_group=dp_group, force=probe)
+            model = each(model, lambda m: apply_ddp(m, dev, strategy.bucket_cap_mb, strategy.find_unused_parameters
+                                                    or dims.pp_enabled, process_group=dp_group, force=probe))
     # fp16 without FSDP stays on autocast over fp32 parameters: its GradScaler needs fp32 gradients.
     autocast = dtype is torch.float16 and not use.fsdp
     scaler = _scaler(strategy, use.fsdp)
@@ -156,22 +165,24 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
 
     if use.pp and not layout_only:
         loss_box = _ScaledLoss(loss)
-        schedule = build_schedule(model, mesh["pp"], dev, strategy.microbatches, strategy.pp_schedule, loss_box)
-        forward_backward = _pipeline_step(schedule, loss_box, first, last, dev, ctx, scaler)
+        schedule = build_schedule(model, mesh["pp"], dev, strategy.microbatches, strategy.pp_schedule, loss_box,
+                                  strategy.pp_virtual_stages)
+        forward_backward = _pipeline_step(schedule, loss_box, strategy.microbatches, first, last, dev, ctx, scaler)
     else:
         forward_backward = _plain_step(model, loss, ctx, scaler)
     if cp is not None:
         forward_backward = cp.wrap(forward_backward)
-    no_sync = getattr(model, "no_sync", None) or contextlib.nullcontext
-    if use.fsdp:
-        no_sync = _fsdp_no_sync(model)
-    timer = time_buckets(model) if strategy.time_buckets else None
+    no_sync = _no_sync(model, use.fsdp)
+    timer = time_buckets(parts(model)) if strategy.time_buckets else None
     return Parallel(dims, model, coords["dp"], first, last, forward_backward, no_sync, pp_group, scaler,
                     strategy.shards_optimizer_only, dp_group, timer, masters, cp)
 
 
 class _ScaledLoss:
-    """The pipeline's loss function, scaled by 1/accumulation for the step it runs in."""
+    """The pipeline's loss function, scaled by 1/(accumulation x microbatches) for the step it runs
+    in. The loss, not the gradients: torch's schedules would divide every gradient by the
+    microbatches at the end of each step, an earlier accumulation micro-batch's again with it
+    (torchtitan scales the loss too)."""
 
     def __init__(self, loss: LossFn):
         self.loss, self.scale = loss, 1.0
@@ -192,14 +203,15 @@ def _plain_step(model: nn.Module, loss_fn: LossFn, ctx, scaler) -> Callable:
     return step
 
 
-def _pipeline_step(schedule, loss_box: _ScaledLoss, first: bool, last: bool, dev, ctx, scaler) -> Callable:
+def _pipeline_step(schedule, loss_box: _ScaledLoss, microbatches: int, first: bool, last: bool, dev, ctx,
+                   scaler) -> Callable:
     if scaler is not None:
         raise ValueError("strategy.precision=fp16 is not supported with pipeline parallelism; use bf16")
 
     def step(batch: Batch, scale: float) -> torch.Tensor:
         assert not isinstance(batch, dict), "pipeline parallelism takes (input, target) batches (checked up front)"
         inputs, targets = batch
-        loss_box.scale = scale
+        loss_box.scale = scale / microbatches
         losses: list[torch.Tensor] = []
         with ctx():
             if first and last:
@@ -212,10 +224,44 @@ def _pipeline_step(schedule, loss_box: _ScaledLoss, first: bool, last: bool, dev
                 schedule.step()
         if not losses:
             return torch.zeros((), device=dev)
-        # The schedule scales gradients by 1/microbatches; the reported loss is their mean.
-        return torch.stack([loss.detach().float() for loss in losses]).mean()
+        # Each microbatch's loss came scaled by 1/microbatches: their sum is the micro-batch's mean.
+        return torch.stack([loss.detach().float() for loss in losses]).sum()
 
     return step
+
+
+def _split(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dims: ParallelDims,
+           pp_mesh) -> tuple[nn.Module, list[ModelSpec]]:
+    """This rank's pipeline stages of `model` (training/parallel/pp.py) and each chunk's spec; `spec`
+    then holds this rank's blocks, in the chunks they now live in."""
+    problem = (data_parallel_problem(strategy.pp_schedule, dims.world_size // (dims.pp * dims.tp))
+               or checkpointing_problem(strategy.pp_schedule, strategy.activation_checkpointing))
+    if problem is not None:
+        raise ValueError(f"strategy.pp_schedule={strategy.pp_schedule}: {problem}")
+    layout = spec.layout(model)
+    model = apply_pp(model, layout, pp_mesh, strategy.pp_schedule, strategy.pp_virtual_stages)
+    specs = [dataclasses.replace(spec, blocks=chunk_blocks(part, layout)) for part in parts(model)]
+    spec.blocks = [block for part_spec in specs for block in part_spec.blocks]
+    if spec.pending is not None:  # the chunks' copies of the modules above the blocks, by their names
+        spec.pending.names.update({m: n for part in parts(model) for n, m in part.named_modules()})
+    return model, specs
+
+
+def _no_sync(model: nn.Module, fsdp: bool) -> Callable[[], contextlib.AbstractContextManager]:
+    """Context that defers every chunk's gradient reduction (FSDP's, or DDP's no_sync)."""
+    each_chunk = [_fsdp_no_sync(part) if fsdp else getattr(part, "no_sync", None) or contextlib.nullcontext
+                  for part in parts(model)]
+    if len(each_chunk) == 1:
+        return each_chunk[0]
+
+    @contextlib.contextmanager
+    def no_sync():
+        with contextlib.ExitStack() as stack:
+            for chunk_no_sync in each_chunk:
+                stack.enter_context(chunk_no_sync())
+            yield
+
+    return no_sync
 
 
 def _fsdp_no_sync(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:

@@ -128,9 +128,11 @@ class BucketTimer:
             self._ms.append(self._pending.pop(0).ms())
 
 
-def time_buckets(model: nn.Module) -> BucketTimer | None:
-    """Register a BucketTimer on a DDP-wrapped model; None for anything else."""
-    if not isinstance(model, DistributedDataParallel):
+def time_buckets(model: nn.Module | list[nn.Module]) -> BucketTimer | None:
+    """Register a BucketTimer on a DDP-wrapped model (one timer on every DDP chunk of a list: a
+    pipeline rank's stages); None where nothing is DDP-wrapped."""
+    wrapped = [m for m in (model if isinstance(model, list) else [model]) if isinstance(m, DistributedDataParallel)]
+    if not wrapped:
         return None
     timer = BucketTimer()
 
@@ -139,5 +141,6 @@ def time_buckets(model: nn.Module) -> BucketTimer | None:
     def hook(state, bucket):  # noqa: ANN001, ANN202
         return timer(state, bucket)
 
-    model.register_comm_hook(model.process_group, hook)
+    for ddp in wrapped:
+        ddp.register_comm_hook(ddp.process_group, hook)
     return timer

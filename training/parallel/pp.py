@@ -1,7 +1,10 @@
 """Pipeline parallelism with torch.distributed.pipelining: split by block, run a schedule.
 
 A model opts in by declaring its layout (training/models/spec.py: blocks in a ModuleDict,
-`pp_first`/`pp_last`, a forward that skips whatever is None; torchtitan's contract).
+`pp_first`/`pp_last`, a forward that skips whatever is None; torchtitan's contract; or Hugging
+Face's `base_model_pp_plan`). A rank holds one stage (gpipe, 1f1b) or several (interleaved_1f1b,
+zero_bubble: looped; zbv, dualpipev: a V), each a chunk of the model (training/parallel/chunks.py);
+which stages, and what each schedule asks of the microbatches: training/parallel/schedules.py.
 """
 
 from __future__ import annotations
@@ -11,40 +14,38 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 from training.models.spec import PipelineLayout
+from training.parallel.chunks import PipelineChunks, parts, split
+from training.parallel.schedules import SINGLE, rank_stages
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-def stage_layers(names: list[str], stage: int, stages: int) -> list[str]:
-    """The contiguous run of block names stage `stage` of `stages` owns (balanced by count)."""
-    n = len(names)
-    return names[stage * n // stages : (stage + 1) * n // stages]
-
-
-def split_stage(model: nn.Module, layout: PipelineLayout, stage: int, stages: int) -> nn.Module:
-    """Delete, in place, every part of `model` that stage `stage` doesn't own."""
-    blocks = layout.container
-    if stages > len(blocks):
-        raise ValueError(f"strategy.pp={stages} stages but the model has only {len(blocks)} blocks")
-    keep = set(stage_layers(list(blocks.keys()), stage, stages))
-    for name in list(blocks.keys()):
-        if name not in keep:
-            del blocks[name]
-    if stage > 0:
-        for name in layout.first:
-            setattr(model, name, None)
-    if stage < stages - 1:
-        for name in layout.last:
-            setattr(model, name, None)
-    return model
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
 
 
-def apply_pp(model: nn.Module, layout: PipelineLayout, pp_mesh: DeviceMesh) -> nn.Module:
-    """Keep only this rank's stage of `model` (the first step of the composition)."""
-    return split_stage(model, layout, pp_mesh.get_local_rank(), pp_mesh.size())
+def apply_pp(model: nn.Module, layout: PipelineLayout, pp_mesh: DeviceMesh, schedule: str = "gpipe",
+             virtual: int = 1) -> nn.Module:
+    """This rank's stages of `model` (the first step of the composition): the model itself, pruned
+    to its one stage, or a PipelineChunks of one chunk per stage it holds."""
+    pp = pp_mesh.size()
+    stages = rank_stages(schedule, pp_mesh.get_local_rank(), pp, virtual)
+    chunks = split(model, layout, stages, pp * virtual)
+    return chunks[0] if len(chunks) == 1 else PipelineChunks(chunks, stages)
 
 
 def build_schedule(
@@ -54,16 +55,26 @@ def build_schedule(
     microbatches: int,
     schedule: str,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    virtual: int = 1,
 ) -> object:
-    """The schedule that drives this rank's stage. Built last, around the fully wrapped module:
-    a stage built around the bare module would bypass a DDP wrapper's gradient hooks."""
-    stage = PipelineStage(module, pp_mesh.get_local_rank(), pp_mesh.size(), device, group=pp_mesh.get_group())
-    return SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=loss_fn)
+    """The schedule that drives this rank's stages. Built last, around the fully wrapped chunks:
+    a stage built around a bare chunk would bypass a DDP wrapper's gradient hooks. It leaves the
+    gradients unscaled: `loss_fn` divides by the microbatches (compose.py's _ScaledLoss), so that
+    gradients accumulated over several steps of the schedule are not divided again."""
+    pp = pp_mesh.size()
+    ids = rank_stages(schedule, pp_mesh.get_local_rank(), pp, virtual)
+    stages = [PipelineStage(chunk, index, pp * virtual, device, group=pp_mesh.get_group())
+              for chunk, index in zip(parts(module), ids, strict=True)]
+    held = stages[0] if schedule in SINGLE else stages
+    return SCHEDULES[schedule](held, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-def is_first(pp_mesh: DeviceMesh) -> bool:
-    return pp_mesh.get_local_rank() == 0
+def is_first(pp_mesh: DeviceMesh, schedule: str = "gpipe", virtual: int = 1) -> bool:
+    """Whether this rank holds the first stage (it feeds the inputs)."""
+    return 0 in rank_stages(schedule, pp_mesh.get_local_rank(), pp_mesh.size(), virtual)
 
 
-def is_last(pp_mesh: DeviceMesh) -> bool:
-    return pp_mesh.get_local_rank() == pp_mesh.size() - 1
+def is_last(pp_mesh: DeviceMesh, schedule: str = "gpipe", virtual: int = 1) -> bool:
+    """Whether this rank holds the last stage (it computes the loss; rank 0 under a V)."""
+    pp = pp_mesh.size()
+    return pp * virtual - 1 in rank_stages(schedule, pp_mesh.get_local_rank(), pp, virtual)
