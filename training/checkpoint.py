@@ -4,12 +4,17 @@ Layout under the directory the engine hands the stage: `step-<k>/` (DCP shards o
 optimizer) and `latest.json`, which rank 0 rewrites atomically only after every rank finished
 writing step k, so a crash during a save leaves the previous checkpoint in force. DCP reshards on
 load, so a checkpoint can move between world sizes and between ddp/FSDP layouts; zero1's optimizer
-shards are per-rank files and need the same world.
+shards are per-rank files and need the same world. The optimizer's state is saved flattened by
+parameter name (`state.<name>.exp_avg`, `param_groups.<name>.lr`: torch's
+flatten_optimizer_state_dict), so that pipeline ranks, which hold different parameters, write
+disjoint keys. A pipeline rank holding several stages (training/parallel/chunks.py) saves its
+chunks under the whole model's names, as any other layout does.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +37,11 @@ from training.dist import checkpoint_timeout, device, is_dist, is_main, rank
 from training.files import write_atomic
 from training.loop import Resume
 from training.optim import MasterAdamW
+from training.parallel.chunks import PipelineChunks
 
 LATEST = "latest.json"
+CHUNK = re.compile(r"^chunks\.\d+\.")
+"""The prefix a PipelineChunks puts before each chunk's names (`chunks.1.layers.6.w`)."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,55 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer, zero1: bool) -> dict:
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer, zero1: bool) -> tuple[dict, dict[str, str]]:
+    """The state to save or load into, under the whole model's names, and those names -> the
+    model's own where they differ (a pipeline rank's chunks: `layers.6.w` -> `chunks.1.layers.6.w`)."""
+    state = _own_state(model, optimizer, zero1)
+    if not isinstance(model, PipelineChunks):
+        return state, {}
+    back: dict[str, str] = {}
+
+    def plain(name: str) -> str:
+        back[CHUNK.sub("", name)] = name
+        return CHUNK.sub("", name)
+
+    return _renamed(state, plain), back
+
+
+def _flat(state: dict) -> dict:
+    """What DCP writes and reads: `state` with the optimizer's part keyed by parameter name."""
+    if "optim" not in state:
+        return dict(state)
+    optim = state["optim"]
+    flat = {f"state.{name}.{k}": v for name, values in optim["state"].items() for k, v in values.items()}
+    for group in optim["param_groups"]:
+        flat.update({f"param_groups.{name}.{k}": v for name in group["params"] for k, v in group.items()
+                     if k != "params"})
+    return {"model": state["model"], "optim": flat}
+
+
+def _nested(flat: dict, like: dict) -> dict:
+    """`flat`, as DCP loaded it, back in the form of `like` (the state it was flattened from)."""
+    if "optim" not in like:
+        return flat
+    optim, values = like["optim"], flat["optim"]
+    state = {name: {k: values[f"state.{name}.{k}"] for k in keys} for name, keys in optim["state"].items()}
+    groups = [{**{k: values[f"param_groups.{g['params'][0]}.{k}"] if g["params"] else v for k, v in g.items()
+                  if k != "params"}, "params": g["params"]} for g in optim["param_groups"]]
+    return {"model": flat["model"], "optim": {"state": state, "param_groups": groups}}
+
+
+def _renamed(state: dict, rename: Callable[[str], str]) -> dict:
+    """`state` ({"model": ..., "optim": ...}) with every parameter name passed through `rename`."""
+    out = {"model": {rename(k): v for k, v in state["model"].items()}}
+    if "optim" in state:
+        optim = state["optim"]
+        groups = [{**g, "params": [rename(k) for k in g["params"]]} for g in optim["param_groups"]]
+        out["optim"] = {"state": {rename(k): v for k, v in optim["state"].items()}, "param_groups": groups}
+    return out
+
+
+def _own_state(model: nn.Module, optimizer: torch.optim.Optimizer, zero1: bool) -> dict:
     if zero1:
         return {"model": get_model_state_dict(model)}
     if isinstance(optimizer, MasterAdamW) and optimizer.has_masters:
@@ -80,7 +136,7 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     path = root / f"step-{step}"
     path.mkdir(parents=True, exist_ok=True)
     with checkpoint_timeout():
-        dcp.save(_state(model, optimizer, zero1), checkpoint_id=str(path))
+        dcp.save(_flat(_state(model, optimizer, zero1)[0]), checkpoint_id=str(path))
         if zero1:
             torch.save(optimizer.state_dict(), path / f"zero1-optim-rank{rank()}.pt")
         _barrier()
@@ -129,14 +185,18 @@ def load(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, layout:
 def _restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, saved: Layout, layout: Layout,
              zero1: bool) -> None:
     """Load the checkpoint at `path` into `model` and `optimizer` (collective)."""
-    state = _state(model, optimizer, zero1)
+    state, back = _state(model, optimizer, zero1)
+    flat = _flat(state)
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(flat, checkpoint_id=str(path))
     except Exception as err:  # noqa: BLE001 - DCP raises many types; the user needs the layouts
         raise ValueError(
             f"checkpoint {path} ({saved.strategy} at world {saved.world_size}) cannot be loaded into "
             f"{layout.strategy} at world {layout.world_size}: {_last_line(err)}"
         ) from err
+    state = _nested(flat, state)
+    if back:
+        state = _renamed(state, lambda name: back.get(name, name))
     if zero1:
         set_model_state_dict(model, state["model"])
         shard = torch.load(path / f"zero1-optim-rank{rank()}.pt", map_location=onto(device()), weights_only=True)
