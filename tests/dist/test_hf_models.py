@@ -1,6 +1,6 @@
 """Hugging Face models through the strategies, split by their own declarations: the presets
-model=hf-llama and model=hf-qwen2 (composed from conf/), ddp, zero3 and tp at world 2 against one
-process, step for step."""
+model=hf-llama and model=hf-qwen2 (composed from conf/), ddp, zero3, tp and pp (its
+base_model_pp_plan) at world 2 against one process, step for step."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def run(compose_cfg, preset: str, strategy: str, world: int):
 
 
 @pytest.mark.parametrize("preset", ["hf-llama", "hf-qwen2"])
-@pytest.mark.parametrize("strategy", ["ddp", "zero3", "tp"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "tp", "pp"])
 def test_a_hugging_face_model_at_world_2_matches_one_process(compose_cfg, preset, strategy):
     one = run(compose_cfg, preset, "ddp", 1)
     two = run(compose_cfg, preset, strategy, 2)
