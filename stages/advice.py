@@ -142,7 +142,7 @@ def own_candidate(cfg: AdviceInputs, anatomy: Anatomy, variants: list[Variant], 
                (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
     w = own.workload(anatomy.shape, micro, cfg.train.grad_accum, cfg.strategy.microbatches, cfg.strategy.pp_schedule,
                      cfg.strategy.bucket_cap_mb, cfg.train.grad_clip is not None, anatomy.tokens_per_sample,
-                     cfg.strategy.sequence_parallel and d.tp > 1)
+                     cfg.strategy.sequence_parallel and d.tp > 1, cfg.strategy.pp_virtual_stages)
     name = cfg.strategy.name if cfg.strategy.name in pure() else strategy_name(flavour, d)
     p = predict_layout(w, hw, flavour, d, memory_limit, overlap, 1.0 / own.seconds_per_sample, calibration, name)
     if p is None:
@@ -271,7 +271,8 @@ def candidate_settings(c: Candidate, strategy: StrategyConfig, train: TrainConfi
         reshard_after_forward=strategies.get(c.flavour).reshard_after_forward if d["dp_shard"] > 1 else None,
         precision=c.precision, activation_checkpointing=c.activation_checkpointing, pp_schedule=c.pp_schedule,
         microbatches=c.microbatches if d["pp"] > 1 else strategy.microbatches, bucket_cap_mb=c.bucket_cap_mb,
-        cp=d.get("cp", 1), sequence_parallel=c.sequence_parallel)
+        cp=d.get("cp", 1), sequence_parallel=c.sequence_parallel,
+        pp_virtual_stages=c.pp_virtual_stages if d["pp"] > 1 else 1)
     chosen = chosen if world > 1 else one_device(chosen)
     # With a fixed global batch the micro-batch follows from it; else the candidate's is per replica.
     sized = dataclasses.replace(train, grad_accum=c.grad_accum,

@@ -457,6 +457,8 @@ def workload(cfg: PlanInputs, anatomy: Anatomy) -> Workload:
         bucket_cap_bytes=cfg.strategy.bucket_cap_mb * 1024**2,
         clip=cfg.train.grad_clip is not None,
         pp_schedule=cfg.strategy.pp_schedule,
+        sequence_parallel=cfg.strategy.sequence_parallel,
+        pp_virtual_stages=cfg.strategy.pp_virtual_stages,
     )
 
 

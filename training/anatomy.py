@@ -13,6 +13,7 @@ attention's FLOPs as half of the full score matrix (FlopCount).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -115,10 +116,12 @@ def measure_anatomy(model: nn.Module, spec: ModelSpec, loss: LossFn, batch: Batc
         if tensor is not None and "out" not in seen:
             seen["out"] = tensor
 
+    from training.parallel.cp import count_attention_calls, takes_position_ids
+
     hook = watched.register_forward_hook(keep_output)
     saved = SavedActivations(model)
     try:
-        with FlopCount() as flops, saved:
+        with FlopCount() as flops, saved, count_attention_calls() as attention:
             batch_loss(model, batch, loss).backward()
     finally:
         hook.remove()
@@ -127,8 +130,12 @@ def measure_anatomy(model: nn.Module, spec: ModelSpec, loss: LossFn, batch: Batc
     out = seen.get("out")
     hidden = out.shape[-1] if out is not None and out.dim() >= 2 else 1
     positions = out.numel() // (samples * hidden) if out is not None else 1
+    shape = shape_of(model, spec, hidden, positions)
+    # Context parallelism splits attention that goes through scaled_dot_product_attention, in a
+    # model that takes the true positions of its tokens (training/parallel/cp.py).
+    splittable = attention.calls > 0 and takes_position_ids(model) and positions > 1
     anatomy = Anatomy(
-        shape=shape_of(model, spec, hidden, positions),
+        shape=dataclasses.replace(shape, context_parallel=splittable),
         flops_per_sample=flops.total / samples,
         activation_bytes_per_sample=saved.bytes / samples,
         tokens_per_sample=tokens_per_sample(batch),

@@ -332,9 +332,41 @@ def fit_link(points: list[tuple[int, float]], collective: str, world: int) -> Li
     return Link(alpha_s=alpha, busbw_gbps=1 / slope / 1e9, world=world)
 
 
-def pipeline_bubble(pp: int, microbatches: int) -> float:
-    """Idle fraction of a GPipe/1F1B step: (p − 1) / (m + p − 1)."""
-    return (pp - 1) / (microbatches + pp - 1) if pp > 1 else 0.0
+ZERO_BUBBLE = ("zero_bubble", "zbv", "dualpipev")
+"""Schedules that split backward into input- and weight-gradient passes and fill the bubble with
+the weight passes (Qi et al. 2023, 2024; DeepSeek-V3's DualPipe)."""
+
+
+def pipeline_bubble(pp: int, microbatches: int, schedule: str = "1f1b", virtual: int = 1) -> float:
+    """Idle fraction of a step. GPipe and 1F1B: (p − 1) / (m + p − 1) (Narayanan et al. 2021);
+    interleaved 1F1B with v stages per rank: the warm-up shrinks by v, (p − 1) / (v·m + p − 1) (same
+    paper). The zero-bubble family is costed at ZB-H1's bubble, a third of its interleaved base
+    with equal forward, input- and weight-gradient times (Qi et al. 2023): what their schedules
+    reach without more memory; none was timed on GPUs here."""
+    if pp <= 1:
+        return 0.0
+    idle = (pp - 1) / (3 if schedule in ZERO_BUBBLE else 1)
+    return idle / (virtual * microbatches + idle)
+
+
+def in_flight(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> tuple[float, float]:
+    """Microbatches whose activations the first and the last pipeline rank hold at their peak, in
+    units of one microbatch through one stage of a one-stage-per-rank pipeline (as measured by
+    training/parallel/inflight.py at pp=2, m=4): GPipe m and m; 1F1B min(m, p) and 1; interleaved
+    1F1B Megatron's min(m, p)·(1 + (p − 1)/(p·v)) and, as measured, 1 + (p − 1)/p; DualPipeV p + 1
+    (DeepSeek-V3) on both; torch 2.13's zero-bubble and ZB-V p + 1 on the first rank and, as
+    measured, every microbatch on the last (their weight passes keep saved tensors to the end of
+    the step)."""
+    m = microbatches
+    if schedule == "gpipe":
+        return m, m
+    if schedule == "interleaved_1f1b":
+        return min(m, pp) * (1 + (pp - 1) / (pp * virtual)), 1 + (pp - 1) / pp
+    if schedule == "dualpipev":
+        return min(m, pp + 1), min(m, pp + 1)
+    if schedule in ZERO_BUBBLE:
+        return min(m, pp + 1), m
+    return min(m, pp), 1
 
 
 @dataclass(frozen=True)
@@ -374,7 +406,7 @@ def fsdp_units(shape: Shape) -> int:
 def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, grad_accum: int, microbatches: int,
               precision: str, link: Callable[[str, Group], Link], bucket_cap_bytes: float = 25 * 1024**2,
               clip: bool = False, devices_per_node: int | None = None, sequence_parallel: bool = False,
-              recompute: str = "none") -> Comm:
+              recompute: str = "none", virtual: int = 1) -> Comm:
     """Per-step communication of each strategy in seconds (ZeRO's, Megatron's and GPipe's
     volumes, in the calls each implementation makes: every call pays the link's latency, which is
     what dominates a small model or a slow link); `link(collective, group)` is the α–β model of
@@ -454,8 +486,9 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
         cp_group = group_of(d, "cp", devices_per_node)
         cp_s = (call("all_gather", kv * gathers, cp_group, gathers)
                 + call("reduce_scatter", kv * layers * grad_accum, cp_group, layers * grad_accum))
-    # PP: each microbatch's activations forward and their gradients back, between two stages.
-    pp_calls = 2 * microbatches * grad_accum
+    # PP: each microbatch's activations forward and their gradients back, between two stages; with
+    # v stages per rank every microbatch crosses v times as many stage boundaries.
+    pp_calls = 2 * microbatches * grad_accum * virtual
     pp_s = call("broadcast", activation / microbatches * pp_calls, pp_group, pp_calls) if d.pp > 1 else 0.0
     return Comm(dp_s, tp_s + cp_s, pp_s, made, tail)
 
@@ -482,7 +515,7 @@ class StepPrediction:
 
 
 def step_time(compute_s: float, comm: Comm, d: ParallelDims, microbatches: int, overlap: float,
-              overhead_s: float = 0.0) -> StepPrediction:
+              overhead_s: float = 0.0, schedule: str = "1f1b", virtual: int = 1) -> StepPrediction:
     """compute + the strategy's overhead + exposed communication + pipeline bubble.
 
     `compute_s` is the whole step's compute on one rank (its share of the model and batch).
@@ -492,7 +525,8 @@ def step_time(compute_s: float, comm: Comm, d: ParallelDims, microbatches: int, 
     dp_exposed = max(comm.data_parallel_s - hidden, min(comm.tail_s, comm.data_parallel_s) if overlap else 0.0, 0.0)
     exposed = dp_exposed + comm.tensor_parallel_s + comm.pipeline_s
     busy = compute_s + overhead_s + exposed
-    bubble = busy * pipeline_bubble(d.pp, microbatches) / (1 - pipeline_bubble(d.pp, microbatches))
+    idle = pipeline_bubble(d.pp, microbatches, schedule, virtual)
+    bubble = busy * idle / (1 - idle)
     return StepPrediction(compute_s, exposed, bubble, overhead_s, comm.calls)
 
 
@@ -611,6 +645,8 @@ class Workload:
     activation_sequence_replicated_bytes_per_sample: float = 0.0
     """The part of the activations sequence parallelism leaves whole on every rank (outside the
     blocks: the head's input, the logits, the loss's temporaries)."""
+    pp_virtual_stages: int = 1
+    """Pipeline stages per rank (interleaved and V-shaped schedules)."""
 
 
 @dataclass(frozen=True)
@@ -773,11 +809,21 @@ def feasible(shape: Shape, d: ParallelDims, w: Workload) -> bool:
     a declared layout, a block per stage and microbatches that divide the micro-batch."""
     if d.tp > 1 and (shape.block_linear_params == 0 or any(size % d.tp for size in shape.tp_sizes)):
         return False
-    if d.pp > 1 and (not shape.pipeline or d.pp > shape.layers or w.micro_batch % w.microbatches):
+    if d.pp > 1 and (not shape.pipeline or d.pp * w.pp_virtual_stages > shape.layers
+                     or w.micro_batch % w.microbatches or pipeline_problem(w, d) is not None):
         return False
     if d.cp > 1 and shape.seq_len % (2 * d.cp):  # two load-balanced chunks per cp rank
         return False
     return True
+
+
+def pipeline_problem(w: Workload, d: ParallelDims) -> str | None:
+    """Why the schedule can't run this pipeline (torch 2.13's rules: training/parallel/schedules.py)."""
+    from training.parallel.schedules import checkpointing_problem, data_parallel_problem, microbatches_problem
+
+    return (microbatches_problem(w.pp_schedule, d.pp, w.pp_virtual_stages, w.microbatches)
+            or data_parallel_problem(w.pp_schedule, d.dp_size * d.cp)
+            or checkpointing_problem(w.pp_schedule, w.checkpointing))
 
 
 def activation_memory(w: Workload, d: ParallelDims) -> float:
@@ -810,8 +856,7 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
     ends = min(w.activation_outside_blocks_bytes_per_sample + w.loss_temp_bytes_per_sample, per_sample)
     blocks = (per_sample - ends) * layers / max(w.shape.layers, 1) + kv * layers
     per_micro = w.micro_batch / w.microbatches
-    first = min(w.microbatches, d.pp) if w.pp_schedule == "1f1b" else w.microbatches
-    last = 1 if w.pp_schedule == "1f1b" else w.microbatches
+    first, last = in_flight(w.pp_schedule, d.pp, w.microbatches, w.pp_virtual_stages)
     return per_micro * max(blocks * first, (blocks + ends) * last) + mask
 
 
@@ -855,11 +900,11 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: ParallelDims, mem
     devices = d.world_size
     comm = comm_time(w.shape, flavour, d, w.micro_batch, w.grad_accum, w.microbatches, w.precision, hw.link,
                      w.bucket_cap_bytes, w.clip, hw.devices_per_node, w.sequence_parallel and d.tp > 1,
-                     w.checkpointing)
+                     w.checkpointing, w.pp_virtual_stages)
     per_sample = w.seconds_per_sample if w.seconds_per_sample is not None else hw.seconds_per_sample
     compute = per_sample * hw.contention(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp * d.cp)
     overhead = hw.strategy_overhead(flavour, devices) * w.grad_accum
-    step = step_time(compute, comm, d, w.microbatches, overlap, overhead)
+    step = step_time(compute, comm, d, w.microbatches, overlap, overhead, w.pp_schedule, w.pp_virtual_stages)
     step_s = step.step_s
     if calibration is not None:
         step_s = calibration.step_s(name, step)

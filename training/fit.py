@@ -101,6 +101,7 @@ def rank_memory(c: Counted, strategy: StrategyConfig, flavour: str, world: int, 
                  activation_outside_blocks_bytes_per_sample=c.activation_outside_blocks_bytes_per_sample,
                  loss_temp_bytes_per_sample=c.loss_temp_bytes_per_sample,
                  pp_schedule=strategy.pp_schedule, sequence_parallel=strategy.sequence_parallel,
+                 pp_virtual_stages=strategy.pp_virtual_stages,
                  activation_sequence_replicated_bytes_per_sample=c.activation_sequence_replicated_bytes_per_sample)
     return memory_breakdown(w, flavour, d)
 

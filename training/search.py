@@ -60,7 +60,7 @@ class Variant:
     """Workload's fields of these names."""
 
     def workload(self, shape: Shape, micro: int, accum: int, microbatches: int, schedule: str, bucket_mb: float,
-                 clip: bool, tokens_per_sample: int, sequence_parallel: bool = False) -> Workload:
+                 clip: bool, tokens_per_sample: int, sequence_parallel: bool = False, virtual: int = 1) -> Workload:
         """This setting's Workload for one point of the space (the search's and the run's own)."""
         return Workload(shape=shape, micro_batch=micro, grad_accum=accum, microbatches=microbatches,
                         precision=self.precision, checkpointing=self.activation_checkpointing,
@@ -69,7 +69,7 @@ class Variant:
                         activation_outside_blocks_bytes_per_sample=self.activation_outside_blocks_bytes_per_sample,
                         loss_temp_bytes_per_sample=self.loss_temp_bytes_per_sample,
                         bucket_cap_bytes=bucket_mb * 1024**2, seconds_per_sample=self.seconds_per_sample, clip=clip,
-                        pp_schedule=schedule, sequence_parallel=sequence_parallel,
+                        pp_schedule=schedule, sequence_parallel=sequence_parallel, pp_virtual_stages=virtual,
                         activation_sequence_replicated_bytes_per_sample=(
                             self.activation_sequence_replicated_bytes_per_sample))
 
@@ -85,7 +85,10 @@ class Space:
     replica_batch: int
     """Without a fixed global batch: samples per data-parallel replica per step (micro x accum)."""
     variants: list[Variant]
-    pp_schedules: tuple[str, ...] = ("1f1b", "gpipe")
+    pp_schedules: tuple[tuple[str, int], ...] = (("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2),
+                                                 ("zbv", 2), ("dualpipev", 2))
+    """(schedule, stages per rank) a pipeline may use. GPipe is left out: 1F1B has its bubble and
+    holds fewer microbatches (a run may still ask for it)."""
     bucket_caps_mb: tuple[float, ...] = (1.0, 4.0, 25.0, 100.0)
     strategies: tuple[str, ...] | None = None
     """Only candidates reported as one of these (plan.strategies); None: all."""
@@ -122,6 +125,7 @@ class Candidate:
     prediction: Prediction = field(repr=False)
     """The cost model's components (compute, exposed communication, bubble, calls)."""
     sequence_parallel: bool = False
+    pp_virtual_stages: int = 1
 
     @property
     def degrees(self) -> ParallelDims:
@@ -148,6 +152,7 @@ class Candidate:
                 f"strategy.activation_checkpointing={self.activation_checkpointing}"]
         if self.dims["pp"] > 1:
             out += [f"strategy.pp_schedule={self.pp_schedule}", f"strategy.microbatches={self.microbatches}"]
+            out += [f"strategy.pp_virtual_stages={self.pp_virtual_stages}"] if self.pp_virtual_stages > 1 else []
         if strategies.get(self.flavour).wrapper == "ddp" and self.dims["dp_replicate"] > 1:
             out.append(f"strategy.bucket_cap_mb={self.bucket_cap_mb:g}")
         return out
@@ -243,12 +248,13 @@ def batch_splits(space: Space, dp: int) -> list[tuple[int, int]]:
     return [(m, per_replica // m) for m in sorted(set(micros), reverse=True)]
 
 
-def pipeline_settings(space: Space, d: ParallelDims, micro: int) -> list[tuple[str, int]]:
-    """(schedule, microbatches) for a pipeline: m in {p, 2p, 4p} dividing the micro-batch."""
+def pipeline_settings(space: Space, d: ParallelDims, micro: int) -> list[tuple[str, int, int]]:
+    """(schedule, stages per rank, microbatches) for a pipeline: m in {p, 2p, 4p} dividing the
+    micro-batch (the schedule's own rules are the cost model's `feasible`)."""
     if d.pp == 1:
-        return [("1f1b", 1)]
+        return [("1f1b", 1, 1)]
     counts = [m for m in (d.pp, 2 * d.pp, 4 * d.pp) if micro % m == 0] or ([micro] if micro >= 1 else [])
-    return [(schedule, m) for schedule in space.pp_schedules for m in counts]
+    return [(schedule, v, m) for schedule, v in space.pp_schedules for m in counts]
 
 
 def search(space: Space, shape: Shape, hw: Hardware, tokens_per_sample: int, model_flops_per_sample: float,
@@ -268,12 +274,12 @@ def search(space: Space, shape: Shape, hw: Hardware, tokens_per_sample: int, mod
             for sp in ((False, True) if d.tp > 1 else (False,)):
                 for micro, accum in batch_splits(space, d.dp_size):
                     fitted = False
-                    for schedule, m in pipeline_settings(space, d, micro):
+                    for schedule, virtual, m in pipeline_settings(space, d, micro):
                         # DDP's buckets are a knob of one layout, not layouts of their own: the best one.
                         best: Candidate | None = None
                         for bucket in buckets:
                             w = variant.workload(shape, micro, accum, m, schedule, bucket, space.clip, tokens_per_sample,
-                                                 sp)
+                                                 sp, virtual)
                             if not feasible(shape, d, w):
                                 continue
                             p = predict_layout(w, hw, flavour, d, memory_limit, overlap, single, calibration, name)
@@ -304,6 +310,7 @@ def _candidate(p: Prediction, flavour: str, d: ParallelDims, w: Workload, varian
         tokens_per_s=p.tokens_per_s,
         mfu_pct=100 * model_flops_per_sample * per_device / variant.peak_flops if variant.peak_flops else None,
         scaling_efficiency=p.scaling_efficiency, command="", prediction=p, sequence_parallel=w.sequence_parallel,
+        pp_virtual_stages=w.pp_virtual_stages,
     )
     command = " ".join(filter(None, ["python run.py", command_prefix, *candidate.overrides(space.global_batch)]))
     return _with(candidate, command=command)
@@ -317,7 +324,8 @@ def _with(candidate: Candidate, **changes: object) -> Candidate:
 
 def _simplicity(c: Candidate) -> tuple:
     return (c.non_trivial, strategies.get(c.flavour).simplicity, c.activation_checkpointing != "none", -c.micro_batch,
-            c.dims["tp"], c.dims["pp"], -c.bucket_cap_mb)
+            c.dims["tp"], c.dims["pp"], c.dims.get("cp", 1), c.sequence_parallel, c.pp_virtual_stages,
+            c.pp_schedule != "1f1b", -c.bucket_cap_mb)
 
 
 def crosses_nodes(c: Candidate, devices_per_node: int | None) -> bool:

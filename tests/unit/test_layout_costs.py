@@ -89,3 +89,39 @@ def test_sequence_parallel_shards_what_tp_alone_leaves_whole():
                                                activation_sequence_replicated_bytes_per_sample=head), ParallelDims(tp=2))
     assert tp == MEASURED_CP1_BLOCKS * (0.5 + 0.5 / 2)
     assert sp == B * (head + (MEASURED_CP1_BLOCKS / B - head) / 2)
+
+
+@pytest.mark.parametrize(("schedule", "virtual", "expected"), [
+    ("1f1b", 1, 3 / 11),            # (p − 1) / (m + p − 1), p=4, m=8
+    ("gpipe", 1, 3 / 11),
+    ("interleaved_1f1b", 2, 3 / 19),  # (p − 1) / (v·m + p − 1)
+    ("zero_bubble", 2, 1 / 17),     # ZB-H1: a third of the idle time
+    ("zbv", 2, 1 / 17),
+])
+def test_each_schedules_bubble_by_hand(schedule, virtual, expected):
+    from training.costmodel import pipeline_bubble
+
+    assert pipeline_bubble(4, 8, schedule, virtual) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("schedule", "virtual", "first", "last"), [
+    ("gpipe", 1, 4, 4), ("1f1b", 1, 2, 1), ("interleaved_1f1b", 2, 2.5, 1.5), ("dualpipev", 2, 3, 3),
+    ("zero_bubble", 2, 3, 4), ("zbv", 2, 3, 4),
+])
+def test_microbatches_in_flight_as_measured_at_pp2_m4(schedule, virtual, first, last):
+    """What tests/dist/test_pipeline_schedules.py measured (first rank, last rank): gpipe 4 and 4,
+    1f1b 2 and 1, interleaved 2.5 and 1.5, zero bubble and ZB-V 3 and 4; DualPipeV 3 on the first
+    (2.5 measured on the last: costed at p + 1 on both)."""
+    from training.costmodel import in_flight
+
+    assert in_flight(schedule, 2, 4, virtual) == (first, last)
+
+
+def test_the_zero_bubble_family_is_not_laid_out_with_replicas_or_selective_checkpointing():
+    w = workload(pp_schedule="zbv", pp_virtual_stages=2, microbatches=2)
+    shape = dataclasses.replace(SHAPE, layers=8)
+    w = dataclasses.replace(w, shape=shape)
+    assert feasible(shape, ParallelDims(pp=2), w)
+    assert not feasible(shape, ParallelDims(pp=2, dp_shard=2), w), "its weight passes miss FSDP's reduction"
+    assert not feasible(shape, ParallelDims(pp=2), dataclasses.replace(w, checkpointing="selective"))
+    assert not feasible(SHAPE, ParallelDims(pp=2), dataclasses.replace(w, pp_virtual_stages=2)), "4 stages, 2 blocks"
