@@ -19,7 +19,7 @@ from training.costmodel import (
     predict_layout,
     state_memory,
 )
-from training.parallel.dims import ParallelDims, resolve_dims
+from training.parallel.dims import resolve_dims
 from training.search import (
     NODE_LOCAL,
     Candidate,
@@ -214,7 +214,7 @@ def tp_tier(c: Candidate, hw: Hardware) -> str:
     """What the candidate's TP all-reduces cost on the tier they ride, against a node's link: e.g.
     `tp=16 crosses nodes (16 ranks on 2 nodes): 4 all-reduces per layer at 61 µs and 370 GB/s per
     GPU, vs 13 µs and 450 GB/s inside a node`."""
-    d = ParallelDims(**{k: c.dims[k] for k in ("dp_replicate", "dp_shard", "tp", "pp")})
+    d = c.degrees
     group = group_of(d, "tp", hw.devices_per_node)
     across, inside = hw.link("all_reduce", group), hw.link("all_reduce", Group(min(group.ranks, hw.devices_per_node),
                                                                                  min(group.ranks, hw.devices_per_node)))
