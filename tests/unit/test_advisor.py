@@ -90,10 +90,9 @@ def test_ties_go_to_the_simpler_layout():
     assert rank([candidate("zero3", "zero3", 1, 900.0), hybrid])[0] is hybrid, "10 % faster beats simpler"
 
 
-def test_the_search_for_70b_on_1024_devices_takes_seconds(compose_cfg):
-    """The search alone (the model measured once, on the meta device, before it)."""
+def timed_search(inputs: PlanInputs):
+    """The what-if plan of `inputs`, and {"s": the seconds its search alone took}."""
     from stages import plan as plan_stage
-    from training.search import search
 
     seen = {}
     original = plan_stage.advise_plan
@@ -106,9 +105,16 @@ def test_the_search_for_70b_on_1024_devices_takes_seconds(compose_cfg):
 
     plan_stage.advise_plan = timed
     try:
-        result = whatif(plan_inputs(compose_cfg, "cluster=h100-80g-ndr", "model=gpt-70b", "nodes=128"))
+        return whatif(inputs), seen
     finally:
         plan_stage.advise_plan = original
+
+
+def test_the_search_for_70b_on_1024_devices_takes_seconds(compose_cfg):
+    """The search alone (the model measured once, on the meta device, before it)."""
+    from training.search import search
+
+    result, seen = timed_search(plan_inputs(compose_cfg, "cluster=h100-80g-ndr", "model=gpt-70b", "nodes=128"))
     assert result.world_size == 1024 and result.recommended.fits
     assert seen["s"] < 10, f"the search took {seen['s']:.1f} s"
     assert search  # the module the plan searches with
@@ -193,26 +199,11 @@ def test_the_search_for_405b_on_16384_devices_takes_seconds(compose_cfg):
     """Llama 3 405B's scale (a GPT of its width and depth at sequence 8192) on 16,384 H100s: the
     space of pp x dp_replicate x dp_shard x cp x tp, SP, three checkpointing modes, schedules and
     batch splits, searched (pruned, not enumerated) in seconds. The search alone is timed."""
-    from stages import plan as plan_stage
-
-    seen = {}
-    original = plan_stage.advise_plan
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        out = original(*args, **kwargs)
-        seen["s"] = time.perf_counter() - start
-        return out
-
-    plan_stage.advise_plan = timed
-    try:
-        result = whatif(plan_inputs(compose_cfg, "cluster=h100-80g-ndr", "model=gpt-70b", "model.d_model=16384",
+    result, seen = timed_search(plan_inputs(compose_cfg, "cluster=h100-80g-ndr", "model=gpt-70b", "model.d_model=16384",
                                     "model.n_layers=126", "model.n_heads=128", "model.seq_len=8192",
                                     "model.vocab_size=128256", "nodes=2048", "train.global_batch=2048",
                                     "strategy=hybrid", "strategy.tp=8", "strategy.pp=16", "strategy.dp_shard=1",
                                     "strategy.dp_replicate=128", "strategy.precision=bf16",
                                     "strategy.sequence_parallel=true", "strategy.microbatches=16"))
-    finally:
-        plan_stage.advise_plan = original
     assert result.world_size == 16384 and result.recommended is not None and result.recommended.fits
     assert seen["s"] < 10, f"the search took {seen['s']:.1f} s"
