@@ -135,7 +135,7 @@ def measure_anatomy(model: nn.Module, spec: ModelSpec, loss: LossFn, batch: Batc
     # model that takes the true positions of its tokens (training/parallel/cp.py).
     splittable = attention.calls > 0 and takes_position_ids(model) and positions > 1
     anatomy = Anatomy(
-        shape=dataclasses.replace(shape, context_parallel=splittable),
+        shape=dataclasses.replace(shape, context_parallel=splittable, kv_width=attention.kv_width),
         flops_per_sample=flops.total / samples,
         activation_bytes_per_sample=saved.bytes / samples,
         tokens_per_sample=tokens_per_sample(batch),

@@ -69,6 +69,14 @@ class Shape:
     context_parallel: bool = False
     """Whether its attention can be split over the sequence (it calls scaled_dot_product_attention
     and takes position_ids: training/parallel/cp.py)."""
+    kv_width: int = 0
+    """Width per token of the keys its attention passes to scaled_dot_product_attention (heads x
+    head dim, counted on the meta device): what context parallelism gathers, an eighth of `hidden`
+    for Llama 3's 8 grouped K/V heads of 64; 0: `hidden` (no attention seen)."""
+
+    @property
+    def kv(self) -> int:
+        return self.kv_width or self.hidden
 
 
 @dataclass(frozen=True)
@@ -475,12 +483,12 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
         reduces = per_layer * (4 + (2 if recompute == "full" else 0))
         tp_s = call("all_reduce", activation * reduces, tp_group, reduces)
     # CP: each block all-gathers this rank's K and V over the cp group in forward (again in backward
-    # under full recomputation) and reduce-scatters their gradients in backward: 2 x s x b x h / tp
+    # under full recomputation) and reduce-scatters their gradients in backward: 2 x s x b x kv / tp
     # gathered per layer and micro-batch (training/parallel/cp.py; the gathered K/V are the
-    # heads SDPA sees: a model that expands grouped K/V heads before it gathers all of them).
+    # heads SDPA sees: Shape.kv_width, all of them where a model expands grouped K/V heads first).
     cp_s = 0.0
     if d.cp > 1:
-        kv = 2 * activation_tensor_bytes(micro_batch, shape.seq_len, shape.hidden, dtype_bytes) / d.tp
+        kv = 2 * activation_tensor_bytes(micro_batch, shape.seq_len, shape.kv, dtype_bytes) / d.tp
         # Collectives are recomputed under selective checkpointing too (its policy keeps no all-gather).
         gathers = layers * grad_accum * (2 if recompute in ("full", "selective") else 1)
         cp_group = group_of(d, "cp", devices_per_node)
@@ -833,8 +841,9 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
     residuals and the split linears' inputs are sharded over the sequence: Korthikanti et al.'s
     32sbh/t without dropout; measured within 0.2 %), all but the head's input and the loss. CP
     divides every token's activations by cp and adds the peers' K and V its attention keeps for
-    backward ((cp − 1)/cp of 2·s·h/t per layer and sample) and one causal mask of (s/cp)·s per
-    micro-batch (training/parallel/cp.py). A pipeline stage holds its share of the blocks'
+    backward ((cp − 1)/cp of 2·s·kv/t per layer and sample, kv the keys' width SDPA sees; under
+    full or selective checkpointing one layer's, the one recomputing: the all-gather is redone in
+    backward, measured) and one causal mask of (s/cp)·s per micro-batch (training/parallel/cp.py). A pipeline stage holds its share of the blocks'
     activations for the microbatches its schedule keeps in flight (GPipe: all m; 1F1B: min(m, p)
     on the first stage, one on the last), and the last stage also what is saved outside the blocks
     (the head, the loss) and the loss's temporaries, per microbatch in flight; the higher of the
@@ -848,16 +857,17 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
     kv = mask = 0.0
     if d.cp > 1:
         per_sample /= d.cp
-        kv = 2 * w.shape.seq_len * w.shape.hidden / d.tp * dtype * (d.cp - 1) / d.cp  # per layer and sample
+        kv = 2 * w.shape.seq_len * w.shape.kv / d.tp * dtype * (d.cp - 1) / d.cp  # per layer and sample
         mask = w.shape.seq_len / d.cp * w.shape.seq_len * dtype
     layers = math.ceil(w.shape.layers / d.pp)
+    kept_kv, recomputing_kv = (kv * layers, 0.0) if w.checkpointing == "none" else (0.0, kv)
     if d.pp == 1:
-        return (per_sample + kv * layers) * w.micro_batch + mask
+        return (per_sample + kept_kv + recomputing_kv) * w.micro_batch + mask
     ends = min(w.activation_outside_blocks_bytes_per_sample + w.loss_temp_bytes_per_sample, per_sample)
-    blocks = (per_sample - ends) * layers / max(w.shape.layers, 1) + kv * layers
+    blocks = (per_sample - ends) * layers / max(w.shape.layers, 1) + kept_kv
     per_micro = w.micro_batch / w.microbatches
     first, last = in_flight(w.pp_schedule, d.pp, w.microbatches, w.pp_virtual_stages)
-    return per_micro * max(blocks * first, (blocks + ends) * last) + mask
+    return per_micro * (max(blocks * first, (blocks + ends) * last) + recomputing_kv) + mask
 
 
 def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:

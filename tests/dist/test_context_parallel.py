@@ -106,3 +106,26 @@ def test_a_hugging_face_model_with_cp2_matches_one_process(compose_cfg, preset):
         runs[name] = run_world("tests.dist.workers:train_any", (inputs, tempfile.mkdtemp()), world=world, timeout_s=120)
     assert runs["cp2"].cp == 2 and runs["cp2"].ranks_in_sync
     assert runs["cp2"].losses == pytest.approx(runs["one"].losses, **TOL)
+
+
+def test_grouped_kv_heads_are_gathered_at_the_width_the_cost_model_counts(compose_cfg):
+    """Qwen2 passes SDPA its 2 grouped K/V heads unexpanded (enable_gqa): the all-gather moves
+    their width, half of the model's 4 heads, and the anatomy counted on the meta device
+    (Shape.kv_width) says so: the cost model's K/V bytes per layer are the measured ones."""
+    import torch
+
+    from training.anatomy import measure_anatomy
+    from training.costmodel import activation_tensor_bytes
+    from training.models import build_model, model_loss
+    from training.models.spec import model_spec
+
+    cfg = compose_cfg("model=hf-qwen2", "tracking=none").model
+    with torch.device("meta"):
+        model = build_model(cfg, seed=0)
+        tokens = torch.zeros(BATCH, SEQ + 1, dtype=torch.long)
+        shape = measure_anatomy(model, model_spec(model, cfg), model_loss(cfg), (tokens[:, :-1], tokens[:, 1:])).anatomy.shape
+    assert shape.kv_width == 2 * 16 < shape.hidden == 64, "2 K/V heads of 16 reach SDPA, of 4 query heads"
+    stats = run_world("tests.dist.cp_workers:block_activations", (cfg, StrategyConfig(name="ddp", cp=2), BATCH, SEQ), world=2)
+    cp = 2
+    per_layer = 2 * activation_tensor_bytes(BATCH, SEQ, shape.kv, 4) * (cp - 1) // cp  # K and V, fp32
+    assert stats["gathered_per_layer"] == [per_layer] * shape.layers

@@ -42,6 +42,24 @@ def test_cp_activations_are_the_trainers_measured_bytes():
     assert activation_memory(workload(), ParallelDims(cp=2)) == MEASURED_CP2_BLOCKS
 
 
+def test_checkpointed_blocks_keep_no_gathered_k_and_v_between_forward_and_backward():
+    """Under full or selective checkpointing the all-gather is redone in backward (tests/dist
+    measured 4 gathers for 2 layers), so only the recomputing layer's peer K/V are held."""
+    kv_per_layer = 2 * SEQ * D * FP32 * B // 2  # the peer's half of K and V, one layer, b=4
+    none = activation_memory(workload(), ParallelDims(cp=2))
+    blocks_and_mask = none - LAYERS * kv_per_layer
+    for mode in ("full", "selective"):
+        assert activation_memory(workload(checkpointing=mode), ParallelDims(cp=2)) == blocks_and_mask + kv_per_layer
+
+
+def test_grouped_kv_heads_are_gathered_at_their_width():
+    """Shape.kv_width (the keys' width SDPA sees, counted on the meta device) sets the K/V bytes."""
+    grouped = dataclasses.replace(SHAPE, kv_width=D // 4)
+    full = activation_memory(workload(), ParallelDims(cp=2))
+    quarter = activation_memory(workload(shape=grouped), ParallelDims(cp=2))
+    assert full - quarter == LAYERS * 2 * SEQ * (D - D // 4) * FP32 * B // 2
+
+
 def test_cp_all_gathers_k_and_v_per_layer_as_measured():
     seen = []
 

@@ -284,6 +284,9 @@ def takes_position_ids(model: nn.Module) -> bool:
 @dataclass
 class AttentionCalls:
     calls: int = 0
+    kv_width: int = 0
+    """Key width per token as SDPA sees it (heads x head dim): what context parallelism gathers,
+    less than the model's width where grouped K/V heads reach SDPA unexpanded."""
 
 
 @contextlib.contextmanager
@@ -295,6 +298,8 @@ def count_attention_calls() -> Iterator[AttentionCalls]:
 
     def counting(*args: object, **kwargs: object) -> torch.Tensor:
         counted.calls += 1
+        key = (dict(zip(SDPA_PARAMS, args, strict=False)) | kwargs)["key"]
+        counted.kv_width = max(counted.kv_width, key.shape[-3] * key.shape[-1])  # (batch, heads, seq, head dim)
         return original(*args, **kwargs)
 
     F.scaled_dot_product_attention = counting  # type: ignore[assignment]
