@@ -173,7 +173,7 @@ def rejection_reasons(searched: Searched, best: Candidate | None, memory_limit: 
                            f"{top.precision} with {top.activation_checkpointing} checkpointing: the memory ruler")
             continue
         if crosses_nodes(top, hw.devices_per_node):
-            reasons.append(f"{name}: {tp_tier(top, hw)}: the bandwidth ruler ({top.tokens_per_s:.0f} tokens/s)")
+            reasons.append(f"{name}: {tier(top, hw)}: the bandwidth ruler ({top.tokens_per_s:.0f} tokens/s)")
             continue
         if best is not None:
             reasons.append(f"{name}: fits ({top.memory_per_device_bytes / GIB:.1f} GiB) but predicted "
@@ -210,22 +210,32 @@ def _why_absent(name: str, anatomy: Anatomy, cfg: AdviceInputs) -> str:
     return "no batch split of this world keeps the batch"
 
 
-def tp_tier(c: Candidate, hw: Hardware) -> str:
-    """What the candidate's TP all-reduces cost on the tier they ride, against a node's link: e.g.
-    `tp=16 crosses nodes (16 ranks on 2 nodes): 4 all-reduces per layer at 61 µs and 370 GB/s per
-    GPU, vs 13 µs and 450 GB/s inside a node`."""
+TIER_TRAFFIC = {"tp": ("all_reduce", "4 all-reduces per layer"), "cp": ("all_gather", "K/V all-gathered per layer")}
+"""What each node-local degree sends per layer (training/costmodel.py's comm_time), and its collective."""
+
+
+def tier(c: Candidate, hw: Hardware) -> str:
+    """What the candidate's TP and CP collectives cost on the tier they ride, against a node's
+    link: e.g. `tp=16 crosses nodes (16 ranks on 2 nodes): 4 all-reduces per layer at 61 µs and 370
+    GB/s per GPU, vs 13 µs and 450 GB/s inside a node`; the degrees that cross nodes, else tp."""
     d = c.degrees
-    group = group_of(d, "tp", hw.devices_per_node)
-    across, inside = hw.link("all_reduce", group), hw.link("all_reduce", Group(min(group.ranks, hw.devices_per_node),
-                                                                                 min(group.ranks, hw.devices_per_node)))
-    where = "crosses nodes" if group.nodes > 1 else "stays in one node"
-    return (f"tp={c.dims['tp']} {where} ({group.describe()}): 4 all-reduces per layer at "
-            f"{across.alpha_at(group.ranks) * 1e6:.0f} µs and {across.busbw_gbps:.0f} GB/s per GPU, vs "
-            f"{inside.alpha_at(inside.world) * 1e6:.0f} µs and {inside.busbw_gbps:.0f} GB/s inside a node")
+    groups = {dim: group_of(d, dim, hw.devices_per_node) for dim in TIER_TRAFFIC if c.dims.get(dim, 1) > 1}
+    crossing = [dim for dim, g in groups.items() if g.nodes > 1] or ["tp"]
+    parts = []
+    for dim in crossing:
+        group = groups.get(dim) or group_of(d, dim, hw.devices_per_node)
+        collective, traffic = TIER_TRAFFIC[dim]
+        local = min(group.ranks, hw.devices_per_node)
+        across, inside = hw.link(collective, group), hw.link(collective, Group(local, local))
+        where = "crosses nodes" if group.nodes > 1 else "stays in one node"
+        parts.append(f"{dim}={c.dims.get(dim, 1)} {where} ({group.describe()}): {traffic} at "
+                     f"{across.alpha_at(group.ranks) * 1e6:.0f} µs and {across.busbw_gbps:.0f} GB/s per GPU, vs "
+                     f"{inside.alpha_at(inside.world) * 1e6:.0f} µs and {inside.busbw_gbps:.0f} GB/s inside a node")
+    return "; ".join(parts)
 
 
 def node_local_reason(best: Candidate | None, searched: Searched, hw: Hardware) -> str | None:
-    """Why a recommendation whose TP group crosses nodes was kept: no node-local layout within
+    """Why a recommendation whose TP or CP group crosses nodes was kept: no node-local layout within
     NODE_LOCAL of it (search.rank prefers one that is); None when it does not cross."""
     if best is None or not crosses_nodes(best, hw.devices_per_node):
         return None
@@ -233,7 +243,7 @@ def node_local_reason(best: Candidate | None, searched: Searched, hw: Hardware) 
     versus = (f"the best node-local layout, {local.strategy} {_short(local)}, is predicted "
               f"{1 - local.tokens_per_s / best.tokens_per_s:.0%} slower" if local is not None else
               "no node-local layout fits")
-    return f"tiers: {tp_tier(best, hw)}; kept because {versus} (more than {NODE_LOCAL:.0%})"
+    return f"tiers: {tier(best, hw)}; kept because {versus} (more than {NODE_LOCAL:.0%})"
 
 
 def headline_reason(best: Candidate | None, searched: Searched, memory_limit: float, world: int) -> str:

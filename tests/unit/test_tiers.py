@@ -85,8 +85,8 @@ def test_tp_across_nodes_pays_the_inter_node_tier():
     assert across > local
 
 
-def candidate(tp: int, tokens: float, dp_shard: int = 1) -> Candidate:
-    dims = {"pp": 1, "dp_replicate": 1, "dp_shard": dp_shard, "tp": tp}
+def candidate(tp: int, tokens: float, dp_shard: int = 1, cp: int = 1) -> Candidate:
+    dims = {"pp": 1, "dp_replicate": 1, "dp_shard": dp_shard, "tp": tp, "cp": cp}
     return Candidate("hybrid", "zero3", dims, 1, 1, "none", "bf16", "1f1b", 1, 25.0, True, 1.0, 1.0, tokens, None,
                      1.0, "", prediction=None)
 
@@ -109,6 +109,17 @@ def test_a_kept_crossing_layout_says_why_with_the_tiers_numbers():
                              "20 µs and 370 GB/s per GPU, vs 10 µs and 450 GB/s inside a node")
     assert "is predicted 10% slower" in reason
     assert node_local_reason(slower, Searched([slower], 1), H100) is None
+
+
+def test_a_kept_cp_group_across_nodes_names_cp_and_its_k_v_all_gathers():
+    from stages.advice import node_local_reason
+    from training.search import Searched
+
+    across, slower = candidate(1, 1000.0, cp=64), candidate(8, 800.0, dp_shard=8)
+    reason = node_local_reason(across, Searched([across, slower], 2), H100)
+    assert reason.startswith("tiers: cp=64 crosses nodes (64 ranks on 8 nodes (8 per node)): K/V all-gathered per "
+                             "layer at "), reason
+    assert "tp=1" not in reason and "is predicted 20% slower" in reason
 
 
 def measurement(collective: str, nbytes: int, us: float, world: int) -> Measurement:
