@@ -66,18 +66,16 @@ def llama(h: int, ffn: int, layers: int, heads: int, kv: int, vocab: int, seq: i
 
 
 def llama405b(gpus: int, tp: int, cp: int, pp: int, seq: int, global_batch: int, microbatches: int,
-              schedule: str, virtual: int, memory_fraction: float | None = None) -> tuple[str, ...]:
+              schedule: str, virtual: int) -> tuple[str, ...]:
     """Llama 3.1 405B (the hf-llama3-405b preset) at `seq` tokens on H100s: TP with sequence
     parallelism, CP, a pipeline of `microbatches` one-sample microbatches, FSDP over the rest, bf16
     with full recomputation."""
-    budget = () if memory_fraction is None else (f"plan.memory_fraction={memory_fraction}",)
     return ("model=hf-llama3-405b", f"data.seq_len={seq}", f"model.max_position_embeddings={max(seq, 8192)}",
             "cluster=h100-80g-ndr", f"nodes={gpus // 8}", "strategy=hybrid", "strategy.dp_replicate=1",
             f"strategy.dp_shard={gpus // (tp * cp * pp)}", f"strategy.tp={tp}", f"strategy.cp={cp}", f"strategy.pp={pp}",
             "strategy.sequence_parallel=true", f"train.global_batch={global_batch}", "train.grad_accum=1",
             f"strategy.microbatches={microbatches}", f"strategy.pp_schedule={schedule}",
-            f"strategy.pp_virtual_stages={virtual}", "strategy.precision=bf16", "strategy.activation_checkpointing=full",
-            *budget)
+            f"strategy.pp_virtual_stages={virtual}", "strategy.precision=bf16", "strategy.activation_checkpointing=full")
 
 
 def titan_h100_96g(overrides: tuple[str, ...]) -> tuple[str, ...]:
