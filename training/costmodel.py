@@ -72,7 +72,7 @@ class Shape:
     kv_width: int = 0
     """Width per token of the keys its attention passes to scaled_dot_product_attention (heads x
     head dim, counted on the meta device): what context parallelism gathers, an eighth of `hidden`
-    for Llama 3's 8 grouped K/V heads of 64; 0: `hidden` (no attention seen)."""
+    for Llama 3 70B (8 K/V heads for 64 query heads); 0: `hidden` (no attention seen)."""
 
     @property
     def kv(self) -> int:
