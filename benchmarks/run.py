@@ -16,33 +16,18 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.planning import bench_published, bench_search  # noqa: E402
+from benchmarks.rows import Row  # noqa: E402
 from stages.train import TrainInputs  # noqa: E402
 from tests.helpers import run_world  # noqa: E402
 from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig  # noqa: E402
 
 MIB = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Row:
-    name: str
-    ours: float
-    theirs: float
-    unit: str
-    goal: str
-
-    @property
-    def ratio(self) -> float:
-        return self.ours / self.theirs if self.theirs else float("nan")
-
-    def line(self) -> str:
-        return f"| {self.name} | {self.ours:.4g} {self.unit} | {self.theirs:.4g} {self.unit} | {self.ratio:.3f} | {self.goal} |"
 
 
 def bench_train_loop() -> list[Row]:
@@ -284,29 +269,6 @@ def bench_memory_ruler() -> list[Row]:
     return rows
 
 
-def bench_published() -> list[Row]:
-    """8. The advisor's prediction of published large-scale runs (their layout, shape and cluster) vs the
-    throughput their authors report; the table with sources goes to docs/published.md."""
-    from benchmarks.published import ROWS, anchored, check, write_table
-
-    checked, anchors = anchored([check(row) for row in ROWS])
-    write_table(checked, anchors, ROOT / "docs" / "published.md")
-    rows = [Row(f"advisor vs published: {c.row.label} (tokens/s per GPU: predicted with the preset vs published)",
-                c.predicted, c.published, "tokens/s", "within 20 %") for c in checked]
-    held = [c.anchored for c in checked if c.anchored is not None]
-    rows += [Row("advisor vs published: layouts predicted within 20 % with the preset, of all", sum(
-                 c.within_20_pct for c in checked), len(checked), "rows", "all"),
-             Row("advisor vs published: held-out layouts within 20 % anchored, of all held out", sum(
-                 c.within_20_pct for c in held), len(held), "rows", "all"),
-             Row("advisor vs published: published layouts predicted to fit, of all", sum(c.fits for c in checked),
-                 len(checked), "rows", "all"),
-             Row("advisor vs published: recommendation fitting and at least as fast as the published layout, of all",
-                 sum(c.recommended >= c.predicted and c.recommended_fits for c in checked), len(checked), "rows", "all")]
-    return rows + [Row(f"advisor vs published, held out, {c.row.stack} anchored on its first row (fraction of peak "
-                       f"{anchors[c.row.stack].achievable_mfu:.2f}): {c.row.label}", c.anchored.predicted,
-                       c.published, "tokens/s", "within 20 %") for c in checked if c.anchored is not None]
-
-
 ADVISOR_POINTS = {
     2: ["strategy=ddp", "strategy=zero1", "strategy=zero2", "strategy=zero3", "strategy=tp", "strategy=pp"],
     4: ["strategy=ddp", "strategy=zero1", "strategy=zero2", "strategy=zero3", "strategy=tp",
@@ -316,16 +278,6 @@ ADVISOR_POINTS = {
 }
 """The layouts the advisor's recommendation is measured against, per world size (gpt-tiny's 2
 blocks allow no pp=4; its 4 heads allow tp=4)."""
-
-
-def bench_search() -> list[Row]:
-    """9. The advisor's search at Llama 3 405B's scale: 16,384 H100s, every layout, schedule,
-    checkpointing mode and batch split (the model measured once on the meta device, then searched)."""
-    from benchmarks.published import SEARCH_405B, plan_inputs, timed_whatif
-
-    result, seconds = timed_whatif(plan_inputs(SEARCH_405B))
-    return [Row(f"search time, Llama 3 405B on {result.world_size:,} devices vs the 10 s goal", seconds, 10.0, "s",
-                "ratio < 1")]
 
 
 def bench_advisor() -> list[Row]:
