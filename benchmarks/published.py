@@ -149,8 +149,8 @@ ROWS = [
         *llama(8192, 28672, 80, 64, 8, 128256, 8192), "cluster=h100-80g-ndr", "nodes=32", "strategy=hybrid",
         "strategy.dp_replicate=1", "strategy.dp_shard=32", "strategy.tp=8", "strategy.pp=1", "strategy.sequence_parallel=true",
         "train.global_batch=512", "train.grad_accum=1", "strategy.precision=bf16", "strategy.activation_checkpointing=full"),
-        597.3, "torchtitan, H100", "torch.compile and a vocabulary-parallel loss there (its logits sharded over TP: "
-        "here the head's output is gathered whole, 16 x 8192 x 128256, which is why it does not fit); H100s at 500 W"),
+        597.3, "torchtitan, H100", "torch.compile there; a vocabulary-parallel loss there and here (the head's "
+        "16 x 8192 x 128256 logits split over TP); H100s at 500 W"),
     Published(LLAMA3, "Llama 3 405B, 8,192 H100, TP 8 PP 16 DP 64, seq 8K", llama405b(8192, 8, 1, 16, 8192, 2048, 32,
               "interleaved_1f1b", 2), None, "Llama 3 (Meta), H100", LLAMA3_NOTE, tflops_per_gpu=430),
     Published(LLAMA3, "Llama 3 405B, 16,384 H100, TP 8 PP 16 DP 128, seq 8K", llama405b(16384, 8, 1, 16, 8192, 2048, 16,

@@ -98,7 +98,8 @@ def variant(cfg: AdviceInputs, cost: VariantCost, own: VariantCost, hw: Hardware
         seconds = cost.executed_flops_per_sample / (peak * cfg.cluster.achievable_mfu)
     return Variant(cost.precision, cost.activation_checkpointing, seconds, cost.activation_bytes_per_sample, peak,
                    cost.activation_replicated_bytes_per_sample, cost.activation_outside_blocks_bytes_per_sample,
-                   cost.loss_temp_bytes_per_sample, cost.activation_sequence_replicated_bytes_per_sample)
+                   cost.loss_temp_bytes_per_sample, cost.activation_sequence_replicated_bytes_per_sample,
+                   cost.activation_head_bytes_per_sample)
 
 
 def command_prefix(cfg: AdviceInputs) -> str:

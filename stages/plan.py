@@ -438,7 +438,10 @@ def with_activations(anatomy: Anatomy, cost) -> Anatomy:  # noqa: ANN001 - a tra
     return dataclasses.replace(anatomy, activation_bytes_per_sample=cost.activation_bytes_per_sample,
                                activation_replicated_bytes_per_sample=cost.activation_replicated_bytes_per_sample,
                                activation_outside_blocks_bytes_per_sample=cost.activation_outside_blocks_bytes_per_sample,
-                               loss_temp_bytes_per_sample=cost.loss_temp_bytes_per_sample)
+                               loss_temp_bytes_per_sample=cost.loss_temp_bytes_per_sample,
+                               activation_head_bytes_per_sample=cost.activation_head_bytes_per_sample,
+                               activation_sequence_replicated_bytes_per_sample=(
+                                   cost.activation_sequence_replicated_bytes_per_sample))
 
 
 def workload(cfg: PlanInputs, anatomy: Anatomy) -> Workload:
@@ -454,6 +457,8 @@ def workload(cfg: PlanInputs, anatomy: Anatomy) -> Workload:
         activation_replicated_bytes_per_sample=anatomy.activation_replicated_bytes_per_sample,
         activation_outside_blocks_bytes_per_sample=anatomy.activation_outside_blocks_bytes_per_sample,
         loss_temp_bytes_per_sample=anatomy.loss_temp_bytes_per_sample,
+        activation_head_bytes_per_sample=anatomy.activation_head_bytes_per_sample,
+        activation_sequence_replicated_bytes_per_sample=anatomy.activation_sequence_replicated_bytes_per_sample,
         bucket_cap_bytes=cfg.strategy.bucket_cap_mb * 1024**2,
         clip=cfg.train.grad_clip is not None,
         pp_schedule=cfg.strategy.pp_schedule,

@@ -41,10 +41,14 @@ class TpSplit:
     loss_temp_bytes: int = 0
     """What backward makes first, beside all that is saved: the gradients of the loss with respect
     to the model's output and the loss's own intermediate (two fp32 tensors of the output's size,
-    e.g. a language model's logits; whole on every TP rank, as the head is not split)."""
+    e.g. a language model's logits; whole on every TP rank unless the head is split, `head_bytes`)."""
     sequence_replicated_bytes: int = 0
     """The part saved outside the blocks and the sequence-parallel norms: whole on every TP rank
     under sequence parallelism (the rest is split over them)."""
+    head_bytes: int = 0
+    """The part saved after the model's head (its logits, the loss's softmax), counted in
+    `replicated_bytes` and `outside_blocks_bytes`: split over the TP ranks where the trainer splits
+    the head by vocabulary (training/parallel/tp.py), as are the loss's temporaries."""
 
 
 OPENS = ("colwise",)
@@ -63,11 +67,12 @@ def _role(style: str) -> str | None:
 
 
 def measure_tp_split(model: nn.Module, plan: dict[str, str], run: Callable[[], torch.Tensor],
-                     blocks: list[nn.Module] | tuple = (), sequence_norms: list[nn.Module] | tuple = ()) -> TpSplit:
+                     blocks: list[nn.Module] | tuple = (), sequence_norms: list[nn.Module] | tuple = (),
+                     head: nn.Module | None = None) -> TpSplit:
     """Run `run` (a forward returning the loss) and its backward, counting saved bytes by where
     they were saved; `plan` is the model's TP plan as full module names -> styles, `blocks` the
     model's blocks (what is saved outside them is told apart too), `sequence_norms` its
-    sequence-parallel norms."""
+    sequence-parallel norms, `head` its output projection (what is saved after it too)."""
     inside, opening, closing = [False], [False], [False]
     depth, norm_depth = [0], [0]
     split_keys: set[int] = set()
@@ -76,6 +81,8 @@ def measure_tp_split(model: nn.Module, plan: dict[str, str], run: Callable[[], t
     saved = _Classifier(model, (inside, opening, closing), split_keys, depth, block_keys, norm_depth, sequence_keys)
     outputs: list[int] = []
     handles = [model.register_forward_hook(lambda m, a, o: outputs.append(_numel(o)))]
+    if head is not None:
+        handles.append(head.register_forward_hook(lambda m, a, o: saved.after_head.__setitem__(0, True)))
     handles += _counting(blocks, depth) + _counting(sequence_norms, norm_depth)
     modules = _by_name(model)
     for name, style in plan.items():
@@ -96,7 +103,8 @@ def measure_tp_split(model: nn.Module, plan: dict[str, str], run: Callable[[], t
     whole = sum(n for k, n in saved.sizes.items() if k not in split_keys)
     outside = sum(n for k, n in saved.sizes.items() if k not in block_keys) if blocks else 0
     unsplit = sum(n for k, n in saved.sizes.items() if k not in block_keys | sequence_keys) if blocks else total
-    return TpSplit(total, whole, outside, 2 * 4 * sum(outputs), unsplit)
+    after_head = sum(n for k, n in saved.sizes.items() if k in saved.head_keys)
+    return TpSplit(total, whole, outside, 2 * 4 * sum(outputs), unsplit, after_head)
 
 
 def _by_name(model: nn.Module) -> dict[str, nn.Module]:
@@ -139,6 +147,7 @@ class _Classifier(SavedActivations):
         super().__init__(model)
         (self.inside, self.opening, self.closing), self.split_keys = region, split_keys
         self.depth, self.block_keys, self.norm_depth, self.sequence_keys = depth, block_keys, norm_depth, sequence_keys
+        self.after_head, self.head_keys = [False], set()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._classify(t, self.inside[0])
@@ -159,6 +168,8 @@ class _Classifier(SavedActivations):
             self.block_keys.update(new)
         if self.norm_depth[0] > 0:
             self.sequence_keys.update(new)
+        if self.after_head[0]:
+            self.head_keys.update(new)
 
     @property
     def sizes(self) -> dict[int, int]:

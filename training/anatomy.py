@@ -153,6 +153,7 @@ def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> 
     except ContractError:
         plan = {}  # a plan we can't apply: TP is not an option for this model
     split = sum(count_params(model.get_submodule(name)) for name in plan)
+    head = spec.head(model) if plan else None
     divisors = tp_divisors(model, plan) if plan else {}
     heads = max((v for k, v in divisors.items() if not k.endswith("_features")), default=1)
     try:
@@ -175,6 +176,7 @@ def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> 
         last_stage_params=last,
         tp_sizes=tuple(sorted(set(divisors.values()))),
         pipeline=pipeline,
+        head_params=count_params(model.get_submodule(head)) if head is not None else 0,
     )
 
 
@@ -246,6 +248,10 @@ class VariantCost:
     parallelism (strategy.sequence_parallel: what is saved outside the blocks and the final norm,
     and the loss's temporaries; the rest is split over the TP ranks). For a model that declares no
     sequence-parallel norms, `activation_replicated_bytes_per_sample`."""
+    activation_head_bytes_per_sample: float = 0.0
+    """Of the bytes saved outside the blocks, those saved after the head (its logits, the loss's
+    softmax): split over the TP ranks with the loss's temporaries where the trainer splits the head
+    by vocabulary (Shape.head_params)."""
 
 
 def build_on_meta(cfg: ModelConfig, seed: int, precision: str = "fp32",
@@ -278,17 +284,19 @@ def measure_variant(cfg: ModelConfig, seed: int, sample: Batch, precision: str, 
     except ContractError:
         plan = {}
     norms = _sequence_norms(model, spec)
+    head = spec.head(model) if spec.plan is not None else None
     if checkpointing != "none":  # after the plan's names are read: the wrappers rename the blocks' modules
         apply_ac(spec.blocks, checkpointing)
     with FlopCount() as flops:
         split = measure_tp_split(model, plan, lambda: batch_loss(model, sample, model_loss(cfg)),
-                                 [b.module for b in spec.blocks], norms)
+                                 [b.module for b in spec.blocks], norms,
+                                 model.get_submodule(head) if head is not None else None)
     samples = batch_size(sample)
     temps = split.loss_temp_bytes / samples
     sequence = split.sequence_replicated_bytes if norms else split.replicated_bytes
     return VariantCost(precision, checkpointing, flops.total / samples, split.saved_bytes / samples + temps,
                        split.replicated_bytes / samples + temps, temps, split.outside_blocks_bytes / samples,
-                       sequence / samples + temps)
+                       sequence / samples + temps, split.head_bytes / samples)
 
 
 def _sequence_norms(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from training import strategies
 from training.parallel.dims import DIM_NAMES, ParallelDims
+from training.parallel.schedules import stage_blocks
 
 COSTMODEL_VERSION = 3
 """Bumped when the predicted components change meaning (2: per-call latency, measured strategy
@@ -40,6 +41,9 @@ MASTER_BYTES = 4
 """FSDP's sharded parameters, their gradients (reduce_dtype) and a master weight: fp32."""
 MOMENT_BYTES = 8
 """AdamW's two fp32 moments."""
+LOSS_PARALLEL_TEMPS = 1.5
+"""The loss's temporaries under loss parallelism, in units of the fused kernels' two copies of the
+logits: three copies of the rank's share (Workload.loss_temps)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,10 @@ class Shape:
     """Width per token of the keys its attention passes to scaled_dot_product_attention (heads x
     head dim, counted on the meta device): what context parallelism gathers, an eighth of `hidden`
     for Llama 3 70B (8 K/V heads for 64 query heads); 0: `hidden` (no attention seen)."""
+    head_params: int = 0
+    """Parameters of the output head tensor parallelism splits by vocabulary, its logits kept
+    split into the loss (training/parallel/tp.py); 0: the model has none it can split, and TP
+    leaves the head whole on every rank."""
 
     @property
     def kv(self) -> int:
@@ -101,6 +109,9 @@ class Anatomy:
     """The part saved outside the blocks (embeddings, head, loss); 0: not measured."""
     loss_temp_bytes_per_sample: float = 0.0
     """The loss's gradient temporaries at the start of backward, counted in the activations."""
+    activation_head_bytes_per_sample: float = 0.0
+    activation_sequence_replicated_bytes_per_sample: float = 0.0
+    """Workload's fields of these names."""
 
 
 # ---- memory ---------------------------------------------------------------------------------
@@ -146,16 +157,24 @@ class Memory:
 
 
 def params_per_rank(shape: Shape, d: ParallelDims) -> float:
-    """Parameters one rank holds before data-parallel sharding: TP splits the block linears,
-    PP keeps the fullest stage's blocks (ceil(layers / pp)) plus the heaviest end (first or last
-    stage)."""
+    """Parameters one rank holds before data-parallel sharding: TP splits the block linears and
+    the head; PP gives each stage its run of blocks (training/parallel/schedules.py), the first
+    stage the embeddings and the last the head: the fullest stage's."""
     linears = shape.block_linear_params
     blocks = shape.params - shape.first_stage_params - shape.last_stage_params
-    per_block = (blocks - linears) + linears / d.tp
+    all_blocks = (blocks - linears) + linears / d.tp
+    first, last = _ends(shape, d)
     if d.pp == 1:
-        return shape.first_stage_params + shape.last_stage_params + per_block
-    share = math.ceil(shape.layers / d.pp) / max(shape.layers, 1)
-    return per_block * share + max(shape.first_stage_params, shape.last_stage_params)
+        return first + last + all_blocks
+    layers = list(range(shape.layers))
+    per_block = all_blocks / max(shape.layers, 1)
+    ends = [first, *[0.0] * (d.pp - 2), last]
+    return max(len(stage_blocks(layers, i, d.pp)) * per_block + ends[i] for i in range(d.pp))
+
+
+def _ends(shape: Shape, d: ParallelDims) -> tuple[float, float]:
+    """Parameters of the first and the last stage's own parts on one rank: the head split by TP."""
+    return shape.first_stage_params, shape.last_stage_params - shape.head_params * (1 - 1 / d.tp)
 
 
 def keeps_gathered(strategy: str, reshard: bool = True) -> bool:
@@ -199,9 +218,8 @@ def _unit_params(shape: Shape, d: ParallelDims) -> tuple[float, float]:
     the heavier end on a pipeline stage)."""
     block = (shape.params - shape.first_stage_params - shape.last_stage_params) / max(shape.layers, 1)
     block -= shape.block_linear_params / max(shape.layers, 1) * (1 - 1 / d.tp)
-    ends = max(shape.first_stage_params, shape.last_stage_params) if d.pp > 1 else (
-        shape.first_stage_params + shape.last_stage_params)
-    return block, ends
+    first, last = _ends(shape, d)
+    return block, max(first, last) if d.pp > 1 else first + last
 
 
 def fsdp_gathered_root(shape: Shape, strategy: str, d: ParallelDims, precision: str, reshard: bool = True) -> float:
@@ -482,6 +500,14 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
     else:
         reduces = per_layer * (4 + (2 if recompute == "full" else 0))
         tp_s = call("all_reduce", activation * reduces, tp_group, reduces)
+    if shape.head_params and d.tp > 1:
+        # Loss parallelism (training/parallel/tp.py), per micro-batch on the last stage, measured:
+        # forward all-reduces three fp32 values per position (the max, the sum of exponentials,
+        # the target's logit), backward the head's input gradient (a column split's partial sums).
+        positions = micro_batch * shape.seq_len / d.cp * grad_accum
+        heads = grad_accum * (microbatches if d.pp > 1 else 1)  # the head runs once per microbatch
+        tp_s += (call("all_reduce", 3 * 4 * positions, tp_group, 3 * heads)
+                 + call("all_reduce", activation * grad_accum, tp_group, heads))
     # CP: each block all-gathers this rank's K and V over the cp group in forward (again in backward
     # under full recomputation) and reduce-scatters their gradients in backward: 2 x s x b x kv / tp
     # gathered per layer and micro-batch (training/parallel/cp.py; the gathered K/V are the
@@ -655,6 +681,22 @@ class Workload:
     blocks: the head's input, the logits, the loss's temporaries)."""
     pp_virtual_stages: int = 1
     """Pipeline stages per rank (interleaved and V-shaped schedules)."""
+    activation_head_bytes_per_sample: float = 0.0
+    """Of the bytes saved outside the blocks, those saved after the head (its logits, the loss's
+    softmax): with the loss's temporaries split over the TP ranks where the model's head is
+    (Shape.head_params), whole on each otherwise."""
+
+    def head_split(self, d: ParallelDims) -> int:
+        """Over how many ranks the head's logits and the loss's temporaries are split."""
+        return d.tp if self.shape.head_params else 1
+
+    def loss_temps(self, d: ParallelDims) -> float:
+        """The loss's temporaries per sample on one rank at the start of backward: two fp32 copies of
+        the whole logits (the fused kernels'), or where the head is split, three of this rank's
+        share (torch's loss-parallel backward holds the one-hot zeros, the softmax, their sum and
+        then the product beside the saved log-softmax; measured at tp=2: tests/dist/test_memory_budget.py)."""
+        split = self.head_split(d)
+        return self.loss_temp_bytes_per_sample * (LOSS_PARALLEL_TEMPS / split if split > 1 else 1)
 
 
 @dataclass(frozen=True)
@@ -837,9 +879,10 @@ def pipeline_problem(w: Workload, d: ParallelDims) -> str | None:
 def activation_memory(w: Workload, d: ParallelDims) -> float:
     """The activations one rank holds at the start of backward, the loss's temporaries included.
 
-    TP divides what its plan splits; with sequence parallelism the blocks' rest too (norms,
+    TP divides what its plan splits, and the head's logits and the loss's temporaries where it
+    splits the head by vocabulary; with sequence parallelism the blocks' rest too (norms,
     residuals and the split linears' inputs are sharded over the sequence: Korthikanti et al.'s
-    32sbh/t without dropout; measured within 0.2 %), all but the head's input and the loss. CP
+    32sbh/t without dropout; measured within 0.2 %), all but the head's input. CP
     divides every token's activations by cp and adds the peers' K and V its attention keeps for
     backward ((cp − 1)/cp of 2·s·kv/t per layer and sample, kv the keys' width SDPA sees; under
     full or selective checkpointing one layer's, the one recomputing: the all-gather is redone in
@@ -849,10 +892,14 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
     (the head, the loss) and the loss's temporaries, per microbatch in flight; the higher of the
     first and the last stage."""
     per_sample = w.activation_bytes_per_sample
+    split = w.head_split(d)
     if d.tp > 1:
         kept = (w.activation_sequence_replicated_bytes_per_sample if w.sequence_parallel
                 else w.activation_replicated_bytes_per_sample)
-        per_sample = kept + (per_sample - kept) / d.tp
+        if split > 1:  # the head's logits and the loss's temporaries are this rank's share
+            kept = max(kept - w.activation_head_bytes_per_sample - w.loss_temp_bytes_per_sample, 0.0)
+            per_sample -= w.loss_temp_bytes_per_sample
+        per_sample = kept + (per_sample - kept) / d.tp + (w.loss_temps(d) if split > 1 else 0.0)
     dtype = COMPUTE_BYTES[w.precision]
     kv = mask = 0.0
     if d.cp > 1:
@@ -863,7 +910,8 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
     kept_kv, recomputing_kv = (kv * layers, 0.0) if w.checkpointing == "none" else (0.0, kv)
     if d.pp == 1:
         return (per_sample + kept_kv + recomputing_kv) * w.micro_batch + mask
-    ends = min(w.activation_outside_blocks_bytes_per_sample + w.loss_temp_bytes_per_sample, per_sample)
+    tail = w.activation_outside_blocks_bytes_per_sample - w.activation_head_bytes_per_sample * (1 - 1 / split)
+    ends = min(tail + w.loss_temps(d), per_sample)
     blocks = (per_sample - ends) * layers / max(w.shape.layers, 1) + kept_kv
     per_micro = w.micro_batch / w.microbatches
     first, last = in_flight(w.pp_schedule, d.pp, w.microbatches, w.pp_virtual_stages)
@@ -877,7 +925,7 @@ def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:
     per_updated = MOMENT_BYTES + (MASTER_BYTES if masters else 0)
     buckets = d.dp_replicate_enabled and not d.uses_fsdp  # DDP: gradients are views of its buckets
     # The loss's temporaries: on the stage that computes the loss, per microbatch in flight there.
-    temps = w.loss_temp_bytes_per_sample * w.micro_batch / (w.microbatches if d.pp > 1 else 1)
+    temps = w.loss_temps(d) * w.micro_batch / (w.microbatches if d.pp > 1 else 1)
     return dataclasses.replace(states, activation_bytes=activation_memory(w, d), loss_temp_bytes=temps,
                                grads_in_backward=states.grad_bytes if buckets else 0.0,
                                gathered_root_bytes=fsdp_gathered_root(w.shape, strategy, d, w.precision),

@@ -28,6 +28,7 @@ class Counted:
     activation_outside_blocks_bytes_per_sample: float = 0.0
     loss_temp_bytes_per_sample: float = 0.0
     activation_sequence_replicated_bytes_per_sample: float = 0.0
+    activation_head_bytes_per_sample: float = 0.0
 
 
 _COUNTED: dict[str, Counted] = {}
@@ -50,7 +51,8 @@ def counted(model: ModelConfig, data: DataConfig, seed: int, precision: str, che
         cost = measure_variant(model, seed, sample, precision, checkpointing)
         _COUNTED[key] = Counted(shape, cost.activation_bytes_per_sample, cost.activation_replicated_bytes_per_sample,
                                 cost.activation_outside_blocks_bytes_per_sample, cost.loss_temp_bytes_per_sample,
-                                cost.activation_sequence_replicated_bytes_per_sample)
+                                cost.activation_sequence_replicated_bytes_per_sample,
+                                cost.activation_head_bytes_per_sample)
     return _COUNTED[key]
 
 
@@ -102,7 +104,8 @@ def rank_memory(c: Counted, strategy: StrategyConfig, flavour: str, world: int, 
                  loss_temp_bytes_per_sample=c.loss_temp_bytes_per_sample,
                  pp_schedule=strategy.pp_schedule, sequence_parallel=strategy.sequence_parallel,
                  pp_virtual_stages=strategy.pp_virtual_stages,
-                 activation_sequence_replicated_bytes_per_sample=c.activation_sequence_replicated_bytes_per_sample)
+                 activation_sequence_replicated_bytes_per_sample=c.activation_sequence_replicated_bytes_per_sample,
+                 activation_head_bytes_per_sample=c.activation_head_bytes_per_sample)
     return memory_breakdown(w, flavour, d)
 
 

@@ -57,6 +57,7 @@ class Variant:
     activation_outside_blocks_bytes_per_sample: float = 0.0
     loss_temp_bytes_per_sample: float = 0.0
     activation_sequence_replicated_bytes_per_sample: float = 0.0
+    activation_head_bytes_per_sample: float = 0.0
     """Workload's fields of these names."""
 
     def workload(self, shape: Shape, micro: int, accum: int, microbatches: int, schedule: str, bucket_mb: float,
@@ -71,7 +72,8 @@ class Variant:
                         bucket_cap_bytes=bucket_mb * 1024**2, seconds_per_sample=self.seconds_per_sample, clip=clip,
                         pp_schedule=schedule, sequence_parallel=sequence_parallel, pp_virtual_stages=virtual,
                         activation_sequence_replicated_bytes_per_sample=(
-                            self.activation_sequence_replicated_bytes_per_sample))
+                            self.activation_sequence_replicated_bytes_per_sample),
+                        activation_head_bytes_per_sample=self.activation_head_bytes_per_sample)
 
 
 @dataclass(frozen=True)

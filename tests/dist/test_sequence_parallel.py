@@ -78,6 +78,7 @@ def saved_per_rank(inputs: tuple[ModelConfig, StrategyConfig]) -> dict:
     from training.models import batch_loss, model_loss
     from training.parallel.compose import parallelize
     from training.parallel.materialize import build_on_device
+    from torch.distributed.tensor.parallel import loss_parallel
 
     model_cfg, strategy = inputs
     dev = torch.device("cpu")
@@ -85,8 +86,9 @@ def saved_per_rank(inputs: tuple[ModelConfig, StrategyConfig]) -> dict:
     parallel = parallelize(model, spec, strategy, dev, model_loss(model_cfg))
     tokens = torch.randint(0, model_cfg.kwargs["vocab_size"], (B, S), generator=torch.Generator().manual_seed(0))
     blocks = [b.module for b in spec.live_blocks()]
-    split = measure_tp_split(parallel.model, {}, lambda: batch_loss(parallel.model, (tokens, tokens),
-                                                                    model_loss(model_cfg)), blocks)
+    with loss_parallel():  # as the trainer's step runs: the head's logits come out split by vocabulary
+        split = measure_tp_split(parallel.model, {}, lambda: batch_loss(parallel.model, (tokens, tokens),
+                                                                        model_loss(model_cfg)), blocks)
     return {"per_layer": (split.saved_bytes - split.outside_blocks_bytes) / len(blocks), "total": split.saved_bytes}
 
 
@@ -128,6 +130,9 @@ def test_the_plans_count_predicts_each_ranks_saved_bytes_under_sequence_parallel
     tokens = torch.zeros(1, S, dtype=torch.long, device="meta")
     cost = measure_variant(WIDE, 0, (tokens, tokens), "fp32", "none")
     saved_bytes = cost.activation_bytes_per_sample - cost.loss_temp_bytes_per_sample
-    whole = cost.activation_sequence_replicated_bytes_per_sample - cost.loss_temp_bytes_per_sample
+    # Whole on every rank: what neither the blocks nor the sequence-parallel norms save, less the
+    # head's logits and the loss's (split by vocabulary).
+    whole = (cost.activation_sequence_replicated_bytes_per_sample - cost.loss_temp_bytes_per_sample
+             - cost.activation_head_bytes_per_sample)
     predicted = B * (whole + (saved_bytes - whole) / 2)
     assert saved(SP)["total"] == pytest.approx(predicted, rel=0.01)

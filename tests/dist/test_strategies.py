@@ -110,12 +110,13 @@ def test_zero_stages_shard_what_the_paper_says():
         assert _near(getattr(z3, field), getattr(ddp, field) / 2), field
 
 
-def test_tp_halves_the_block_linears_and_pp_keeps_one_stage():
+def test_tp_halves_the_block_linears_and_the_head_and_pp_keeps_one_stage():
     ddp, tp, pp = run(WORLD2["ddp"], 2), run(WORLD2["tp"], 2), run(WORLD2["pp-gpipe"], 2)
     g = GPT.kwargs
     d, f, layers = g["d_model"], g["d_model"] * 4, g["n_layers"]
     linear_bytes = 4 * layers * (4 * d * d + 2 * d * f)
-    assert tp.param_bytes == ddp.param_bytes - linear_bytes // 2
+    head_bytes = 4 * d * g["vocab_size"]  # split by vocabulary (loss parallelism)
+    assert tp.param_bytes == ddp.param_bytes - linear_bytes // 2 - head_bytes // 2
     # Rank 0 holds stage 0: the embeddings and the first block, not the head and final norm.
     head_and_norm = 4 * (d * g["vocab_size"] + 2 * d)
     block = linear_bytes // layers + 4 * 4 * d

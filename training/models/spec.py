@@ -18,6 +18,10 @@ The parallel code (training/parallel/) reads these and names no module of any mo
   a stage's missing parts become pass-through placeholders, since Hugging Face's forward calls
   them all, and its forward is adapted (training/models/hf.py: token ids in on the first stage,
   hidden states as `inputs_embeds` on the others, a tensor out).
+- **head**: the last part the pipeline layout gives the last stage, when it is a linear layer
+  (the output projection: `output`, Hugging Face's `lm_head`). Tensor parallelism splits it by
+  vocabulary and keeps its logits split into the loss (torchtitan's loss parallelism), unless its
+  weight is tied to the embeddings or `model.loss` is the user's own (which gets whole logits).
 """
 
 from __future__ import annotations
@@ -314,6 +318,8 @@ class ModelSpec:
     """The tensor-parallel plan (patterns from the root) and where it came from; None: no plan."""
     pending: Pending | None = None
     """Set when the model's parameters are still on the meta device, waiting for their shards."""
+    split_head: bool = True
+    """Whether the loss takes vocabulary-split logits (false for a `model.loss` of the user's own)."""
 
     def live_blocks(self) -> list[Block]:
         """The blocks still in the model (a pipeline stage deletes the others, or skips them)."""
@@ -340,6 +346,18 @@ class ModelSpec:
     def layout(self, model: nn.Module) -> PipelineLayout:
         return pipeline_layout(model, self.blocks)
 
+    def head(self, model: nn.Module) -> str | None:
+        """The output projection tensor parallelism splits by vocabulary, where this (part of the)
+        model holds it; None where it has none, or its loss must see whole logits, or the head's
+        weight is tied to the embeddings (the layout refuses those)."""
+        if not self.split_head:
+            return None
+        try:
+            last = self.layout(model).last
+        except ContractError:
+            return None
+        return last[-1] if last and isinstance(_submodule(model, last[-1]), nn.Linear) else None
+
     def keep_first_blocks(self, count: int) -> None:
         """Delete every block after the first `count`, in place: a slice of the model (its
         embeddings, first blocks and head) that the plan can hold when the whole can't."""
@@ -353,4 +371,4 @@ class ModelSpec:
 
 def model_spec(model: nn.Module, cfg: ModelConfig) -> ModelSpec:
     """Read `model`'s declarations (and the `model` config's overrides of them)."""
-    return ModelSpec(find_blocks(model, cfg.blocks), tp_plan(model, cfg))
+    return ModelSpec(find_blocks(model, cfg.blocks), tp_plan(model, cfg), split_head=cfg.loss is None)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
 
 from training import strategies
 from training.config import StrategyConfig
@@ -35,7 +36,7 @@ from training.parallel.materialize import materialize
 from training.parallel.pp import apply_pp, build_schedule, is_first, is_last
 from training.parallel.precision import apply_low_precision
 from training.parallel.schedules import checkpointing_problem, data_parallel_problem
-from training.parallel.tp import apply_tp, sequence_layout
+from training.parallel.tp import apply_tp, sequence_layout, split_loss
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -126,11 +127,14 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
         model, specs = _split(model, spec, strategy, dims, mesh["pp"])
         first = is_first(mesh["pp"], strategy.pp_schedule, strategy.pp_virtual_stages)
         last = is_last(mesh["pp"], strategy.pp_schedule, strategy.pp_virtual_stages)
+    split_logits = False
     if use.tp:
         for part, part_spec in zip(parts(model), specs, strict=True):
             sequence = (sequence_layout(part, part_spec, strategy.activation_checkpointing)
                         if strategy.sequence_parallel else None)
-            apply_tp(part, part_spec.tp_plan(part), mesh["tp"], sequence)
+            split_logits |= apply_tp(part, part_spec.tp_plan(part), mesh["tp"], sequence, part_spec.head(part))
+    if split_logits:  # the loss on vocabulary-split logits: torch's, under loss_parallel, backward too
+        loss = split_loss(loss)
     if strategy.activation_checkpointing != "none":
         apply_ac(spec.live_blocks(), strategy.activation_checkpointing)
     dp_group = None
@@ -170,6 +174,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
         forward_backward = _pipeline_step(schedule, loss_box, strategy.microbatches, first, last, dev, ctx, scaler)
     else:
         forward_backward = _plain_step(model, loss, ctx, scaler)
+    if split_logits:
+        forward_backward = _within(loss_parallel, forward_backward)
     if cp is not None:
         forward_backward = cp.wrap(forward_backward)
     no_sync = _no_sync(model, use.fsdp)
@@ -189,6 +195,14 @@ class _ScaledLoss:
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss(output, target) * self.scale
+
+
+def _within(context: Callable[[], contextlib.AbstractContextManager], step: Callable) -> Callable:
+    def within(batch: Batch, scale: float) -> torch.Tensor:
+        with context():
+            return step(batch, scale)
+
+    return within
 
 
 def _plain_step(model: nn.Module, loss_fn: LossFn, ctx, scaler) -> Callable:

@@ -89,7 +89,7 @@ def rank_stages(schedule: str, rank: int, pp: int, virtual: int) -> list[int]:
     return [rank + i * pp for i in range(virtual)]
 
 
-def stage_blocks(names: list[str], stage: int, stages: int) -> list[str]:
+def stage_blocks(names: list, stage: int, stages: int) -> list:
     """The contiguous run of block names stage `stage` of `stages` owns (balanced by count)."""
     n = len(names)
     return names[stage * n // stages : (stage + 1) * n // stages]

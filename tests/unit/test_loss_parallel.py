@@ -1,0 +1,145 @@
+"""Loss parallelism: which head tensor parallelism splits by vocabulary, the collectives that
+costs as the trainer runs it (a fake process group: no ranks), and the memory and communication
+the cost model charges for it."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import Counter
+from unittest import mock
+
+import pytest
+import torch
+
+from training.config import ModelConfig, StrategyConfig, Target
+from training.costmodel import (
+    LOSS_PARALLEL_TEMPS,
+    Shape,
+    Workload,
+    activation_memory,
+    comm_time,
+    params_per_rank,
+)
+from training.models import build_model
+from training.models.spec import model_spec
+from training.parallel.dims import ParallelDims
+
+V, H = 512, 64
+GPT = ModelConfig(name="gpt", kwargs=dict(vocab_size=V, d_model=H, n_layers=2, n_heads=4, seq_len=16))
+OWN_LOSS = dataclasses.replace(GPT, loss=Target(target="training.models.cross_entropy", kwargs={}))
+
+
+def test_the_head_is_the_pipeline_layouts_last_linear_unless_the_loss_is_the_users(compose_cfg):
+    gpt = build_model(GPT, 0)
+    assert model_spec(gpt, GPT).head(gpt) == "output"
+    assert model_spec(gpt, OWN_LOSS).head(gpt) is None, "a loss of the user's own gets whole logits"
+    llama_cfg = compose_cfg("model=hf-llama", "tracking=none").model
+    llama = build_model(llama_cfg, 0)
+    assert model_spec(llama, llama_cfg).head(llama) == "lm_head"
+    tied_cfg = compose_cfg("model=hf-llama", "+model.tie_word_embeddings=true", "tracking=none").model
+    tied = build_model(tied_cfg, 0)
+    assert model_spec(tied, tied_cfg).head(tied) is None, "a head tied to the embeddings stays whole"
+
+
+def test_the_shape_counts_the_heads_parameters():
+    from training.anatomy import shape_of
+
+    gpt = build_model(GPT, 0)
+    assert shape_of(gpt, model_spec(gpt, GPT), H, 16).head_params == V * H
+    assert shape_of(gpt, model_spec(gpt, OWN_LOSS), H, 16).head_params == 0
+
+
+@contextlib.contextmanager
+def _counting_collectives():
+    """Counts DTensor's and torch's loss-parallel collectives, by name, as they are called (each
+    goes through torch's functional collectives module)."""
+    import torch.distributed._functional_collectives as funcol
+
+    counts: Counter[str] = Counter()
+
+    def counted(name: str):  # noqa: ANN202
+        original = getattr(funcol, name)
+
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            counts[name] += 1
+            return original(*args, **kwargs)
+
+        return mock.patch.object(funcol, name, call)
+
+    with counted("all_reduce"), counted("all_gather_single"), counted("reduce_scatter_single"):
+        yield counts
+
+
+def _collectives(model_cfg: ModelConfig, tp: int = 2) -> tuple[int, int]:
+    """(all-reduces, all collectives) of one forward + backward of the trainer's step at `tp`,
+    as rank 0 of a fake process group runs it."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from training.models import model_loss
+    from training.parallel.compose import parallelize
+
+    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+    try:
+        model = build_model(model_cfg, 0)
+        parallel = parallelize(model, model_spec(model, model_cfg), StrategyConfig(name="tp"), torch.device("cpu"),
+                               model_loss(model_cfg))
+        tokens = torch.zeros(2, 16, dtype=torch.long)
+        with _counting_collectives() as counts:
+            parallel.forward_backward((tokens, tokens), 1.0)
+        return counts["all_reduce"], sum(counts.values())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_trainers_tp_collectives_are_the_cost_models_with_and_without_the_split_head():
+    """A 2-layer GPT at tp=2: two all-reduces per layer in forward (the row-split outputs), two in
+    backward (the inputs of q, k, v together and of the MLP's first linear: SharingColwise), 8 in
+    all as the cost model counts them; the split head adds four (forward: the max, the sum of
+    exponentials and the target's logit per position; backward: the head's input gradient)."""
+
+    def calls(head_params: int) -> int:
+        shape = Shape(params=10**6, layers=2, block_linear_params=10**5, hidden=H, seq_len=16, heads=4,
+                      first_stage_params=V * H, last_stage_params=V * H, head_params=head_params)
+        return comm_time(shape, "ddp", ParallelDims(tp=2), 2, 1, 1, "fp32", _link).calls
+
+    assert _collectives(OWN_LOSS) == (calls(0), calls(0)) == (8, 8)
+    assert _collectives(GPT) == (calls(V * H), calls(V * H)) == (12, 12)
+
+
+def _link(collective, group):  # noqa: ANN001, ANN202 - any α–β link: only the calls are counted
+    from training.costmodel import Link
+
+    return Link(alpha_s=1e-5, busbw_gbps=1.0, world=2)
+
+
+SHAPE = Shape(params=2000, layers=4, block_linear_params=800, hidden=8, seq_len=4, heads=2,
+              first_stage_params=300, last_stage_params=200, head_params=180)
+
+
+def _workload(**kw) -> Workload:
+    fields = dict(shape=SHAPE, micro_batch=2, grad_accum=1, microbatches=1, precision="fp32", checkpointing="none",
+                  tokens_per_sample=4, activation_bytes_per_sample=1000.0, activation_replicated_bytes_per_sample=600.0,
+                  activation_outside_blocks_bytes_per_sample=450.0, loss_temp_bytes_per_sample=200.0,
+                  activation_head_bytes_per_sample=100.0)
+    return Workload(**{**fields, **kw})
+
+
+def test_tp_splits_the_heads_logits_and_the_losss_temporaries_with_the_head():
+    """Per sample at tp=4: whole 600 - 100 (logits) - 200 (temporaries) = 300; split (1000 - 200 -
+    300) / 4 = 125; the temporaries three copies of the rank's share, 200 x 1.5 / 4 = 75."""
+    d = ParallelDims(tp=4)
+    assert activation_memory(_workload(), d) == pytest.approx(2 * (300 + 125 + 200 * LOSS_PARALLEL_TEMPS / 4))
+    whole = dataclasses.replace(_workload(), shape=dataclasses.replace(SHAPE, head_params=0))
+    assert activation_memory(whole, d) == pytest.approx(2 * (600 + 400 / 4))
+    assert _workload().loss_temps(ParallelDims()) == 200, "at tp=1 the fused kernels' two copies"
+
+
+def test_the_last_stage_holds_its_share_of_the_head_and_each_stage_its_own_blocks():
+    """The head (180 of the last stage's 200) split over tp=2; four blocks of 375 parameters
+    (1500, of which the linears 800 split) over three stages as the pipeline cuts them: 1, 1, 2."""
+    blocks = (1500 - 800) + 800 / 2
+    assert params_per_rank(SHAPE, ParallelDims(tp=2)) == 300 + (200 - 90) + blocks
+    per_block = blocks / 4
+    assert params_per_rank(SHAPE, ParallelDims(tp=2, pp=3)) == max(300 + per_block, per_block, 2 * per_block + 110)
