@@ -252,8 +252,12 @@ def test_a_killed_driver_takes_its_workers_and_the_rerun_completes(tmp_path, sig
     import time
 
     args = ["experiment=smoke", "tracking=none", "only=[train]", "train.steps=3000", "train.log_every=1000"]
+    # The driver as a terminal's foreground job has it: Ctrl-C's SIGINT not ignored, whatever this
+    # suite inherited (a shell without job control starts its background jobs ignoring SIGINT, and
+    # Python then installs no KeyboardInterrupt handler).
     driver = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args, "hydra.run.dir=killed"], cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in driver.stdout:
         if re.match(r"\[\d+/\d+\] train: .*\.\.\.$", line):
             break
