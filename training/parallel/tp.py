@@ -47,8 +47,7 @@ from torch.distributed.tensor.parallel import (
 from training.memory import storage_id
 from training.models.spec import ModelSpec
 
-STYLES = {
-    "colwise": lambda: ColwiseParallel(),
+STYLES = {  # "colwise": SharingColwise
     "rowwise": lambda: RowwiseParallel(),
     "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
@@ -100,11 +99,9 @@ def apply_tp(model: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh,
     under `loss_parallel`: split_loss)."""
     present = {name for name, _ in model.named_modules()}
     table = SP_STYLES if sequence is not None else STYLES
-    styles: dict[str, ParallelStyle] = {name: table[style]() for name, style in plan.items() if name in present}
-    last_input = _LastInput()
-    for name, style in plan.items():
-        if style == "colwise" and name in present:
-            styles[name] = SharingColwise(last_input)
+    last_input = _LastInput()  # shared by the column-split linears, whose inputs may be one tensor
+    styles: dict[str, ParallelStyle] = {name: SharingColwise(last_input) if style == "colwise" else table[style]()
+                                        for name, style in plan.items() if name in present}
     split_head = head is not None and head in present
     if split_head:
         styles[head] = ColwiseParallel(output_layouts=VOCABULARY, use_local_output=False)
@@ -177,7 +174,6 @@ def split_loss(loss: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any],
         return value.full_tensor() if isinstance(value, DTensor) else value
 
     return whole
-
 
 
 def by_position(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
