@@ -19,6 +19,7 @@ from pipelines.cache import Cache, Entry, digest, stage_key, targets_code
 from pipelines.calibration import calibration_key
 from pipelines.configtools import flatten, to_jsonable
 from pipelines.dag import Dag, Stage, build, stage_inputs
+from pipelines.deferred import QUEUE, DeferredTracker, defers
 from pipelines.launchers import Launcher, StageFailed, Task, WorldSpec, make_launcher
 from pipelines.launchers.worker import clear_peak_memory, peak_memory, run_task
 from pipelines.mlflow_ui import invocation_run_name, study_reading_run_name, training_data
@@ -287,6 +288,7 @@ class Runner:
         if entry is not None:
             return Outcome("cached", entry.seconds, key, result=entry.result, entry=entry, placement=where,
                            peak_memory_bytes=entry.peak_memory_bytes)
+        self.tracker.go_live()  # something will be measured: the UI shows it while it is
         staging = self.cache.staging(name)
         checkpoints = self.cache.checkpoints(name, key)
         if stage.wants_checkpoints:
@@ -450,15 +452,19 @@ def run_pipeline(cfg: Config, run_dir: Path, echo=print) -> Summary:
     """Build the DAG, open tracking, run every selected stage, write summary.json."""
     dag = build(cfg.pipeline)  # fails on a bad DAG before MLflow or any process starts
     launcher = make_launcher(cfg.launcher, run_dir, WorldSpec(cfg.nodes, cfg.procs_per_node))
+    reading = cfg.pipeline.reads_study
     try:
-        tracker = make_tracker(cfg.tracking)
+        if defers(cfg.tracking, sweep=cfg.study is not None or reading):
+            # Opened when a stage runs; a fully cached invocation is logged in the background.
+            tracker: Tracker = DeferredTracker(cfg.tracking, Path(cfg.cache_dir) / QUEUE)
+        else:  # a study's report reads its invocations from MLflow as soon as the sweep ends
+            tracker = make_tracker(cfg.tracking)
     except BaseException:
         launcher.close()
         raise
     keep_contract_facts(cfg)
     world = cfg.nodes * cfg.procs_per_node
     facts = run_facts(cfg)
-    reading = cfg.pipeline.reads_study
     tags = {"kind": "study-reading" if reading else "invocation", "calibration_key": calibration_key(cfg, None)}
     if cfg.study:
         # A top-level run tagged with its study, not a child of a study run: MLflow's runs page

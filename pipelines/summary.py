@@ -131,7 +131,8 @@ class RunSummary:
     launcher: dict[str, Any]
     """What the launcher adds (Slurm allocations, Ray worker groups); empty for launcher=local."""
     mlflow_run_id: str | None
-    """The invocation's MLflow run (it holds a copy of this file); None with tracking=none."""
+    """The invocation's MLflow run (it holds a copy of this file); None with tracking=none, and, for
+    a fully cached invocation, until the background replay has logged it (pipelines/deferred.py)."""
     ok: bool
     """Every stage ran, was cached, or was skipped by choice."""
     run_dir: str

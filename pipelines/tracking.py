@@ -19,6 +19,7 @@ import math
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -70,6 +71,10 @@ class Tracker(Protocol):
 
     def history(self, key: str) -> list: ...
 
+    def go_live(self) -> None:
+        """Called before work that takes time (a stage that runs): from here on, what is logged
+        shows in the store as it happens (pipelines.deferred.DeferredTracker waits until then)."""
+
     def start(self, name: str, params: dict[str, Any], tags: dict[str, str]) -> None: ...
 
     def set_tags(self, tags: dict[str, str]) -> None: ...
@@ -97,6 +102,9 @@ class NullTracker:
 
     def history(self, key: str) -> list:
         return []
+
+    def go_live(self) -> None:
+        pass
 
     def start(self, name: str, params: dict[str, Any], tags: dict[str, str]) -> None:
         pass
@@ -129,6 +137,8 @@ class MlflowTracker:
         self.cached: list[str] = []
         """The stages of this invocation served from the cache, in DAG order."""
         self._last_ms: dict[str, int] = {}
+        self.clock: Callable[[], float] = time.time
+        """When each call happens, in seconds; a deferred record replays its calls at their own times."""
         self.stage_runs: dict[str, str] = {}
         """Each stage of this invocation logged so far -> its nested run's id."""
         self.db = db = sqlite_path(cfg.uri)
@@ -212,7 +222,7 @@ class MlflowTracker:
         return history(run_summaries(self.client, runs))
 
     def start(self, name: str, params: dict[str, Any], tags: dict[str, str]) -> None:
-        run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
+        run = self.client.create_run(self.experiment_id, start_time=self._ms(), run_name=name, tags=tags)
         self.run_id = run.info.run_id
         self._log(self.run_id, params=params)
 
@@ -248,6 +258,7 @@ class MlflowTracker:
         assert self.run_id is not None, "log_stage before start"
         run = self.client.create_run(
             self.experiment_id,
+            start_time=self._ms(),
             run_name=stage,
             tags={"mlflow.parentRunId": self.run_id, "kind": "stage", "stage": stage, "status": status, **tags},
         )
@@ -258,14 +269,14 @@ class MlflowTracker:
             self.cached.append(stage)
         if artifacts is not None and artifacts.is_dir() and any(artifacts.iterdir()):
             self.client.log_artifacts(child, str(artifacts))
-        self.client.set_terminated(child, "FINISHED" if status in ("ran", "cached") else "FAILED")
+        self.client.set_terminated(child, "FINISHED" if status in ("ran", "cached") else "FAILED", end_time=self._ms())
         self.stage_runs[stage] = child
         for nested in children:
             parent = self.stage_runs.get(nested.under, child)
-            run = self.client.create_run(self.experiment_id, run_name=nested.name, tags={
+            run = self.client.create_run(self.experiment_id, start_time=self._ms(), run_name=nested.name, tags={
                 "mlflow.parentRunId": parent, "kind": "measurement", "stage": stage, "cached": tags.get("cached", "")})
             self._log(run.info.run_id, params=nested.params, metrics=nested.metrics)
-            self.client.set_terminated(run.info.run_id, "FINISHED")
+            self.client.set_terminated(run.info.run_id, "FINISHED", end_time=self._ms())
 
     def finish(self, ok: bool, files: list[Path]) -> None:
         from pipelines.mlflow_ui import CACHED_STAGES_TAG
@@ -276,7 +287,13 @@ class MlflowTracker:
         for path in files:
             if path.exists():
                 self.client.log_artifact(self.run_id, str(path))
-        self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+        self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED", end_time=self._ms())
+
+    def go_live(self) -> None:
+        pass
+
+    def _ms(self) -> int:
+        return int(self.clock() * 1000)
 
     def _log(self, run_id: str, params: dict[str, Any] | None = None, metrics: list | None = None) -> None:
         from mlflow.entities import Metric, Param
@@ -284,7 +301,7 @@ class MlflowTracker:
         # Later calls stamp later, even within a millisecond: where two stages log one key on the
         # invocation (the plan's predicted memory/peak_gib, then train's measured one), MLflow
         # shows the latest timestamp, so the stage that ran later in the DAG wins.
-        now = max(int(time.time() * 1000), self._last_ms.get(run_id, 0) + 1)
+        now = max(self._ms(), self._last_ms.get(run_id, 0) + 1)
         self._last_ms[run_id] = now
         param_list = [Param(_param_key(k), _param_value(v)) for k, v in (params or {}).items()]
         metric_list = [Metric(k, float(v), now, int(s)) for k, v, s in (metrics or []) if math.isfinite(v)]

@@ -38,6 +38,20 @@ def run_world(fn: str, inputs: Any = None, world: int = 2, workdir: Path | None 
     return launcher.run(task, WorldSpec(world, 1))
 
 
+def wait_for_mlflow_record(summary: Path, timeout_s: float = 120.0) -> dict:
+    """summary.json once its MLflow run id is in it: a fully cached invocation is logged by a
+    background replay after the command returns (pipelines/deferred.py)."""
+    import json
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        data = json.loads(Path(summary).read_text())
+        if data.get("mlflow_run_id") or time.monotonic() > deadline:
+            assert data.get("mlflow_run_id"), f"{summary}: no MLflow run logged within {timeout_s:.0f} s"
+            return data
+        time.sleep(0.2)
+
+
 def asked_statuses(summary: dict) -> dict[str, str]:
     """Each stage's status in a summary.json, leaving out the stages the run did not ask for
     (trials, with plan.trials=0: skipped by design, not by failure)."""
