@@ -62,30 +62,39 @@ def train_vs_hand(inputs: TrainInputs, repeats: int = 5) -> dict:
     return {"ours": statistics.median(ours), "theirs": statistics.median(theirs)}
 
 
-def probe_vs_bare(sizes: list[int], repeats: int = 5, iters: int = 20) -> dict:
-    """all_reduce busbw from the bandwidth probe and from a bare timing loop, per size."""
+def probe_vs_bare(sizes: list[int], repeats: int = 7, iters: int = 20) -> dict:
+    """all_reduce busbw from the bandwidth probe and from a bare timing loop, per size: warm-up 5
+    and 20 timed iterations as nccl-tests' defaults, the slowest rank's mean time; the two take
+    turns going first (the one that follows a loop meets a warmer link)."""
     from training.collectives import measure
 
     dev = device()
     n = world_size()
+
+    def bare(size: int) -> float:
+        tensor = torch.zeros(size // 4, device=dev)
+        for _ in range(5):
+            dist.all_reduce(tensor)
+        synchronize(dev)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(tensor)
+        synchronize(dev)
+        elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return size / elapsed.item() / 1e9 * 2 * (n - 1) / n
+
     out = {}
     for size in sizes:
-        ours, bare = [], []
-        for _ in range(repeats):
-            ours.append(measure("all_reduce", size, 5, iters, dev).busbw_gbps)
-            tensor = torch.zeros(size // 4, device=dev)
-            for _ in range(5):
-                dist.all_reduce(tensor)
-            dist.barrier()
-            synchronize(dev)
-            start = time.perf_counter()
-            for _ in range(iters):
-                dist.all_reduce(tensor)
-            synchronize(dev)
-            elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            bare.append(size / elapsed.item() / 1e9 * 2 * (n - 1) / n)
-        out[size] = {"ours": statistics.median(ours), "theirs": statistics.median(bare)}
+        ours, theirs = [], []
+        for repeat in range(repeats):
+            for which in ("ours", "bare") if repeat % 2 == 0 else ("bare", "ours"):
+                if which == "ours":
+                    ours.append(measure("all_reduce", size, 5, iters, dev).busbw_gbps)
+                else:
+                    theirs.append(bare(size))
+        out[size] = {"ours": statistics.median(ours), "theirs": statistics.median(theirs)}
     return out
 
 

@@ -395,16 +395,23 @@ def meta_sample(cfg: PlanInputs, samples: int = 1):  # noqa: ANN201 - a Batch on
     return to_device(first_samples(build_dataset(cfg.data), samples), torch.device("meta"))
 
 
+_COUNTED: dict[str, Any] = {}
+
+
 def counted_on_meta(cfg: PlanInputs):  # noqa: ANN201 - a training.anatomy.Counted
     """The model at its real shape and micro-batch on the meta device (no memory, no compute, so
     any sequence length): its shape, FLOPs and positions from a plain pass, and the FLOPs'
-    convention; the run's activations come from its variant (variant_costs) or its measured step."""
+    convention; the run's activations come from its variant (variant_costs) or its measured step.
+    Once per process for the same model, data and micro-batch (as measure_variant)."""
     from training.anatomy import build_on_meta, measure_anatomy
     from training.models import model_loss
 
-    model, spec = build_on_meta(cfg.model, cfg.seed)
-    return measure_anatomy(model, spec, model_loss(cfg.model), meta_sample(cfg, cfg.train.micro_batch_for(
-        data_parallel_size(cfg))))
+    micro_batch = cfg.train.micro_batch_for(data_parallel_size(cfg))
+    key = repr((cfg.model, cfg.data, cfg.seed, micro_batch))
+    if key not in _COUNTED:
+        model, spec = build_on_meta(cfg.model, cfg.seed)
+        _COUNTED[key] = measure_anatomy(model, spec, model_loss(cfg.model), meta_sample(cfg, micro_batch))
+    return _COUNTED[key]
 
 
 def variant_costs(cfg: PlanInputs, anatomy: Anatomy, measured_activations: float | None) -> list:
