@@ -11,7 +11,7 @@ order, with the time it was made:
 - when nothing ran, it never goes live: `finish` writes the calls, atomically, to a queue file
   (`<cache_dir>/mlflow-pending/<id>.pkl`) and starts a detached `python -m pipelines.deferred FILE`,
   which replays them into MLflow at their original times, writes the run's id into summary.json
-  (the copy logged to the run carries it too) and deletes the file.
+  once the run is complete (the copy logged to the run carries it too) and deletes the file.
 
 Nothing is lost: a replay that fails leaves its file, and the next invocation that opens MLflow
 replays what is older than a minute (`drain`). A file is replayed under an exclusive lock and
@@ -28,6 +28,7 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -145,19 +146,26 @@ def _check_reachable(cfg: TrackingConfig) -> None:
 
 
 def _replay_calls(tracker: MlflowTracker, calls: list[Call], summary: Path | None = None) -> None:
+    """Make `calls` on `tracker` at their own times. With `summary`: the run's id goes into the
+    copy of summary.json the run logs, and into the run dir's file once the run is complete (its id
+    there says the record is all written)."""
     for call in calls:
         tracker.clock = lambda at=call.at: at
-        getattr(tracker, call.method)(*call.args)
-        if call.method == "start" and summary is not None:
-            _write_run_id(summary, tracker.run_id)
+        if call.method == "finish" and summary is not None and summary.is_file():
+            ok, files = call.args
+            with tempfile.TemporaryDirectory() as tmp:
+                copy = Path(tmp) / summary.name
+                write_atomic(copy, _with_run_id(summary, tracker.run_id))
+                tracker.finish(ok, [copy if Path(f) == summary else f for f in files])
+            write_atomic(summary, _with_run_id(summary, tracker.run_id))
+        else:
+            getattr(tracker, call.method)(*call.args)
 
 
-def _write_run_id(summary: Path, run_id: str | None) -> None:
-    if not summary.is_file():
-        return
+def _with_run_id(summary: Path, run_id: str | None) -> str:
     data = json.loads(summary.read_text())
     data["mlflow_run_id"] = run_id
-    write_atomic(summary, json.dumps(data, indent=2, default=str))
+    return json.dumps(data, indent=2, default=str)
 
 
 def replay(path: Path) -> str | None:
