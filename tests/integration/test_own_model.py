@@ -147,26 +147,36 @@ def test_a_bad_declaration_is_one_line_before_any_rank_starts(project, tmp_path,
     assert not (tmp_path / "cache").exists() and not run_dir.exists(), "nothing written"
 
 
+CLUSTER_RUN = ["--config-dir", "conf", "model=my_vit", "data=my_images", "strategy=zero3", "nodes=2", "tracking=none",
+               "train.global_batch=8", "lr_find.batch=4", "train.steps=10", "bandwidth.max_bytes=65536"]
+"""zero3 at world 2 on the user's model, as the cluster launchers run it."""
+
+
+@pytest.fixture(scope="module")
+def local_losses(project, tmp_path_factory) -> list[float]:
+    """The losses `launcher=local` trains with CLUSTER_RUN: what Ray and Slurm must reproduce."""
+    result = run_py(project, *CLUSTER_RUN, f"cache_dir={tmp_path_factory.mktemp('local') / 'cache'}", "launcher=local")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return summary_of(result)["stages"]["train"]["result"]["losses"]
+
+
 @pytest.mark.parametrize("launcher", ["ray", "slurm"])
-def test_the_users_model_through_ray_and_slurm(project, tmp_path, launcher):
+def test_the_users_model_through_ray_and_slurm(project, tmp_path, launcher, local_losses):
     """zero3 at world 2 on the cluster launchers: every stage runs on the user's model there, with
     the same losses as launcher=local."""
     from tests.helpers import need_slurm
 
     if launcher == "slurm":
         need_slurm()
-    common = ["--config-dir", "conf", "model=my_vit", "data=my_images", "strategy=zero3", "nodes=2", "tracking=none",
-              "train.global_batch=8", "lr_find.batch=4", "train.steps=10", "bandwidth.max_bytes=65536",
-              f"cache_dir={tmp_path / 'cache'}"]
     ray_env = f"HOME={tmp_path / 'home'} RAY_TMPDIR=$(mktemp -d /tmp/ss-om-XXXX)"
-    there = shell(project, " ".join([ray_env, sys.executable, str(ROOT / "run.py"), *common, f"launcher={launcher}"]))
+    there = shell(project, " ".join([ray_env, sys.executable, str(ROOT / "run.py"), *CLUSTER_RUN,
+                                     f"cache_dir={tmp_path / 'cache'}", f"launcher={launcher}"]))
     assert there.returncode == 0, there.stdout[-3000:] + there.stderr[-3000:]
     summary = summary_of(there)
     assert asked_statuses(summary) == dict.fromkeys(STAGES, "ran")
     assert summary["placement"]["launcher"] == launcher
-    local = summary_of(run_py(project, *common, "launcher=local"))
     assert summary["stages"]["train"]["result"]["losses"] == pytest.approx(
-        local["stages"]["train"]["result"]["losses"], rel=1e-4, abs=1e-5)
+        local_losses, rel=1e-4, abs=1e-5)
 
 
 LLAMA3_8B_PARAMS = 8_030_261_248
