@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import resource
-import time
 
 import pytest
 import torch
@@ -42,17 +41,14 @@ def test_attention_flops_are_the_hand_count_causal_half_and_full(causal):
 
 def test_a_4096_token_gpt_is_counted_on_meta_without_its_attention_matrices(compose_cfg):
     """At seq 4096 and micro-batch 8 the math kernel's score matrices alone are 8 x 4 heads x 4096^2
-    x 4 bytes = 2 GiB a block: the plan's count allocates none of it and takes well under a second;
+    x 4 bytes = 2 GiB a block: the plan's count allocates none of it;
     what it counts saved is what a fused kernel saves (no s x s matrix)."""
     seq, heads, layers, width = 4096, 4, 2, 64
     counted_on_meta(plan_inputs(compose_cfg))  # torch's one-off imports for the meta device (~1 s, ~80 MiB)
     cfg = plan_inputs(compose_cfg, f"model.seq_len={seq}", "data.num_samples=16", "train.micro_batch=8")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    start = time.perf_counter()
     counted = counted_on_meta(cfg)
-    took = time.perf_counter() - start
     grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    assert took < 1.0, f"counting took {took:.2f} s"
     assert grew < 64 * MIB, f"the process grew by {grew / MIB:.0f} MiB"
     anatomy = counted.anatomy
     assert anatomy.shape.seq_len == seq and counted.flops_convention == "causal_half"
