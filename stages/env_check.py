@@ -72,6 +72,9 @@ class RankInfo:
     host_mem_available_bytes: int | None
     nccl_env: dict[str, str]
     """NCCL_*, TORCH_NCCL_*, TORCH_FR_* and CUDA_VISIBLE_DEVICES as this rank runs with them."""
+    niceness: int | None = None
+    """The scheduling niceness the rank's thread runs at (0 unless something lowered it: Ray
+    starts its workers at 15, and the launcher puts them back where it may)."""
 
 
 @dataclass(frozen=True)

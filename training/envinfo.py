@@ -63,6 +63,7 @@ def collect_local() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),
+        "niceness": os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None,
         "nccl_env": nccl_env(),
     }
     facts.update(_cuda_facts())

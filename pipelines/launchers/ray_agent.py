@@ -195,6 +195,7 @@ def agent(config: dict[str, Any]) -> None:
     threads = max(1, int(config["cpus_per_worker"]))
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
+    _rank_priority()
     node_id = ray.get_runtime_context().get_node_id()
     facts = {"pid": os.getpid(), "node_id": node_id, "host": os.uname().nodename,
              "ip": ray.util.get_node_ip_address(), "local_rank": ctx.get_local_rank()}
@@ -219,6 +220,23 @@ def agent(config: dict[str, Any]) -> None:
         if rank < command.ranks:
             outcome = _run(command, rank, store, generation, config, mailbox, dist)
             mailbox.post.remote(command.id, generation, rank, outcome)
+
+
+def _rank_priority() -> None:
+    """Run this rank at niceness 0, as a process launcher=local or Slurm starts does, where this
+    process may raise its priority (root, CAP_SYS_NICE or RLIMIT_NICE); else leave it.
+
+    Ray starts every worker at niceness 15 (`RAY_worker_niceness`) to keep its own daemons
+    responsive. A rank is the job: when the ranks fill every core, as 2 ranks on this project's
+    2-core machine do, each wake-up of a Ray daemon (raylet, GCS, the Train controller: about 5 %
+    of a core while a stage trains) preempted a niced rank at once, and its peer waited for it
+    at the next collective. Measured alternating, 400 steps, 6 rounds: train samples/s 0.85 of
+    launcher=local at niceness 15, 0.89 at 0. On Linux the call sets this thread's niceness and
+    the threads it starts inherit it: the stage's thread, gloo's and torch's."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except (PermissionError, OSError):
+        pass
 
 
 def _store(mailbox: Any, generation: int, rank: int, size: int, timeout_s: float) -> Any:
