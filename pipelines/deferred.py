@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipelines.mlflow_store import prepare_store, sqlite_path
 from pipelines.schema import TrackingConfig
-from pipelines.tracking import MlflowTracker, check_server, sqlite_path
+from pipelines.tracking import MlflowTracker
 from training.files import write_atomic
 
 QUEUE = "mlflow-pending"
@@ -77,7 +78,7 @@ class DeferredTracker:
     """The Tracker of a single invocation with tracking=mlflow (see the module's docstring)."""
 
     def __init__(self, cfg: TrackingConfig, queue: Path):
-        _check_reachable(cfg)  # a bad URI is the user's error now, not a failure in the background
+        prepare_store(cfg.uri)  # a bad URI is the user's error now, not a failure in the background
         self.cfg, self.queue = cfg, queue
         self.run_id: str | None = None
         self.calls: list[Call] = []
@@ -135,14 +136,6 @@ class DeferredTracker:
             # does not cut a record half-logged (a cut one is replayed whole later anyway).
             subprocess.Popen([sys.executable, "-m", "pipelines.deferred", str(self.pending)], stdin=subprocess.DEVNULL,
                              stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _check_reachable(cfg: TrackingConfig) -> None:
-    db = sqlite_path(cfg.uri)
-    if db is not None:
-        db.parent.mkdir(parents=True, exist_ok=True)
-    elif cfg.uri.startswith(("http://", "https://")):
-        check_server(cfg.uri)
 
 
 def _replay_calls(tracker: MlflowTracker, calls: list[Call], summary: Path | None = None) -> None:

@@ -51,13 +51,13 @@ def find_study(uri: str, study: str) -> tuple[list[Any], str]:
     invocation run of the experiment named `study`. Raises ConfigError when neither exists."""
     from mlflow.entities import ViewType
 
+    from pipelines.mlflow_store import check_server, is_server, sqlite_path
     from pipelines.redact import redact_text
-    from pipelines.tracking import check_server, sqlite_path
 
     db = sqlite_path(uri)
     if db is not None and not db.is_file():  # opening it would create an empty store
         raise ConfigError("tracking.uri", uri, f"has no MLflow database at {db}: no study to compare")
-    if uri.startswith(("http://", "https://")):
+    if is_server(uri):
         check_server(uri)  # seconds, not MLflow's minutes of retries
     client = _client(uri)
     try:

@@ -13,8 +13,6 @@ A study's own record (its report and table) is a run of its own, `kind=study`.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import math
 import re
 import subprocess
@@ -24,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from pipelines.mlflow_store import prepare_store, schema_lock
 from pipelines.schema import TrackingConfig
 from pipelines.summary import RunSummary, read_summaries
 from training.config import ConfigError
@@ -122,12 +121,6 @@ class NullTracker:
         pass
 
 
-def sqlite_path(uri: str) -> Path | None:
-    """The database file of a `sqlite:///` URI, else None."""
-    prefix = "sqlite:///"
-    return Path(uri[len(prefix):]) if uri.startswith(prefix) else None
-
-
 class MlflowTracker:
     def __init__(self, cfg: TrackingConfig):
         from mlflow.tracking import MlflowClient
@@ -141,15 +134,8 @@ class MlflowTracker:
         """When each call happens, in seconds; a deferred record replays its calls at their own times."""
         self.stage_runs: dict[str, str] = {}
         """Each stage of this invocation logged so far -> its nested run's id."""
-        self.db = db = sqlite_path(cfg.uri)
-        if db is not None:
-            db.parent.mkdir(parents=True, exist_ok=True)
-        elif cfg.uri.startswith(("http://", "https://")):
-            check_server(cfg.uri)
-        with _schema_lock(db):
-            # The first client call on a new sqlite file migrates its schema; concurrent first
-            # calls can corrupt it for good (four drivers starting at once on a new store did, on
-            # this project's CI machine), hence the file lock around it.
+        self.db = db = prepare_store(cfg.uri)
+        with schema_lock(db):
             self.client = MlflowClient(tracking_uri=cfg.uri)
             self.experiment_id = self._experiment(db)
 
@@ -351,21 +337,6 @@ def study_runs(client: Any, experiment_ids: list[str], study: str) -> list[Any]:
     return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
 
 
-def check_server(uri: str, timeout_s: float = 5.0) -> None:
-    """Fail in seconds on a server that doesn't answer (MLflow's own client retries for minutes)."""
-    import urllib.error
-    import urllib.request
-
-    from pipelines.redact import redact_text
-
-    try:
-        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
-    except (urllib.error.URLError, OSError, ValueError) as err:
-        reason = getattr(err, "reason", err)
-        raise ConfigError("tracking.uri", redact_text(uri), f"no MLflow server answers there ({reason}); start one "
-                          "or use sqlite:///outputs/mlflow.db") from None
-
-
 def _param_key(key: str) -> str:
     """MLflow's allowed characters: a config key such as `model.tp_plan.blocks.*.q` keeps its shape
     with `*` (and anything else MLflow refuses) as `_`."""
@@ -380,19 +351,6 @@ def _param_value(value: Any) -> str:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[0][:200] if text else type(err).__name__
-
-
-@contextlib.contextmanager
-def _schema_lock(db: Path | None):
-    if db is None:
-        yield
-        return
-    with open(db.with_name(db.name + ".lock"), "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def git_commit() -> str:
