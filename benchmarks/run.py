@@ -21,6 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cli import _cli  # noqa: E402
+from benchmarks.launchers import bench_launchers  # noqa: E402
 from benchmarks.planning import bench_published, bench_search  # noqa: E402
 from benchmarks.rows import Row  # noqa: E402
 from stages.train import TrainInputs  # noqa: E402
@@ -49,15 +51,6 @@ def bench_probe() -> list[Row]:
     got = run_world("benchmarks.workers:probe_vs_bare", sizes, world=2, timeout_s=600)
     return [Row(f"probe fidelity, all_reduce {size // MIB} MiB, world 2 (busbw: probe vs bare loop)",
                 got[size]["ours"], got[size]["theirs"], "GB/s", ">= 0.95") for size in sizes]
-
-
-def _cli(cwd: Path, *args: str, env: dict[str, str] | None = None) -> tuple[float, subprocess.CompletedProcess]:
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=900, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"run.py {' '.join(args)} failed: {done.stderr[-2000:]}")
-    return time.perf_counter() - start, done
 
 
 def bench_cache() -> list[Row]:
@@ -128,121 +121,6 @@ def bench_tracking() -> list[Row]:
                 bucket.append(summary["stages"]["train"]["result"]["samples_per_s"])
     return [Row("tracking, train samples/s with MLflow vs tracking=none", statistics.median(on),
                 statistics.median(off), "samples/s", ">= 0.98")]
-
-
-def _slurm_up() -> bool:
-    import shutil
-
-    if shutil.which("sinfo") is None:
-        return False
-    probe = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
-    return probe.returncode == 0 and bool({"idle", "mix", "alloc"} & set(probe.stdout.split()))
-
-
-class RayHead:
-    """A Ray cluster started once (`ray start --head --block`), as a user joining one has it; in its
-    own process group, stopped by that group's id at the end."""
-
-    def __init__(self, tmp: Path):
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.env = {**os.environ, "HOME": str(tmp / "home"), "RAY_TMPDIR": tempfile.mkdtemp(prefix="ss-bh-")}
-        (tmp / "home").mkdir(exist_ok=True)
-        ray = Path(sys.executable).with_name("ray")
-        self.proc = subprocess.Popen([str(ray), "start", "--head", f"--port={self.port}", f"--num-cpus={os.cpu_count()}",
-                                      "--include-dashboard=false", "--block"], env=self.env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
-        time.sleep(15)  # gcs, raylet and the runtime-env agent up
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        import signal
-
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=10)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        subprocess.run(["rm", "-rf", self.env["RAY_TMPDIR"]])
-
-
-def bench_launchers() -> list[Row]:
-    """6. A whole `only=[train]` invocation (env, bandwidth, lr_find, plan and train all run: a fresh
-    cache each time) on Ray joining a running cluster, and on Slurm where a cluster answers, vs
-    local: wall seconds, train samples/s (the train stage alone, longer: `_train_speed`), and the
-    Slurm jobs each invocation asked for."""
-    launchers = ["ray"] + (["slurm"] if _slurm_up() else [])
-    if "slurm" not in launchers:
-        print("   (slurm: no cluster answers here; `bash scripts/slurm-local.sh up` to include it)")
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        head = RayHead(Path(tmp))
-        try:
-            args = ["experiment=smoke", "train.steps=60", "tracking=none", "only=[train]"]
-            for launcher in launchers:
-                seconds: dict[str, list[float]] = {launcher: [], "local": []}
-                jobs: list[int] = []
-                for i in range(2):
-                    for name in (launcher, "local"):
-                        extra = [f"launcher.address={head.address}"] if name == "ray" else []
-                        # Its own run dir and cache per pair and round: local's runs against Ray must
-                        # not serve local's runs against Slurm.
-                        run = f"{launcher}-vs-{name}{i}"
-                        wall, _ = _cli(Path(tmp), *args, *extra, f"launcher={name}", f"hydra.run.dir={run}",
-                                       f"cache_dir={tmp}/cache-{run}", env=head.env)
-                        summary = json.loads((Path(tmp) / f"{run}/summary.json").read_text())
-                        served = [stage for stage, s in summary["stages"].items() if s["status"] == "cached"]
-                        if served:
-                            raise RuntimeError(f"{run}: {served} served from the cache; the row would time nothing")
-                        seconds[name].append(wall)
-                        if name == "slurm":
-                            jobs.append(len({j for s in summary["stages"].values() for j in s.get("jobs", [])}))
-                speed = _train_speed(Path(tmp), launcher, args, head)
-                goal = {"ray": "<= 1.3", "slurm": "<= 1.2"}[launcher]
-                where = "joining a running Ray cluster" if launcher == "ray" else "a 2-node Slurm cluster"
-                rows.append(Row(f"launcher {launcher} vs local, whole only=[train] invocation wall time ({where})",
-                                statistics.median(seconds[launcher]), statistics.median(seconds["local"]), "s", goal))
-                rows.append(Row(f"launcher {launcher} vs local, train samples/s ({TRAIN_SPEED_STEPS} steps, median of {TRAIN_SPEED_REPEATS}, "
-                                "alternating)", statistics.median(speed[launcher]),
-                                statistics.median(speed["local"]), "samples/s", ">= 0.95"))
-                if jobs:
-                    rows.append(Row("launcher slurm, Slurm jobs per invocation (vs the goal of one)", max(jobs), 1,
-                                    "jobs", "1"))
-        finally:
-            head.stop()
-    return rows
-
-
-TRAIN_SPEED_STEPS = 400
-TRAIN_SPEED_REPEATS = 5
-
-
-def _train_speed(tmp: Path, launcher: str, args: list[str], head: RayHead) -> dict[str, list[float]]:
-    """Train samples/s on `launcher` and on local: the train stage alone re-run (what is upstream
-    of it served from the cache the wall-time runs filled) over TRAIN_SPEED_STEPS steps, the two
-    taking turns going first. A 60-step stage times ~0.6 s, and two local runs on this host
-    differ by up to a quarter at that length: more than the launchers do."""
-    speed: dict[str, list[float]] = {launcher: [], "local": []}
-    for i in range(TRAIN_SPEED_REPEATS):
-        for name in (launcher, "local") if i % 2 == 0 else ("local", launcher):
-            extra = [f"launcher.address={head.address}"] if name == "ray" else []
-            run = f"{launcher}-vs-{name}-speed{i}"
-            _cli(tmp, *args, *extra, f"train.steps={TRAIN_SPEED_STEPS}", "force=[train]", f"launcher={name}",
-                 f"hydra.run.dir={run}", f"cache_dir={tmp}/cache-{launcher}-vs-{name}0", env=head.env)
-            summary = json.loads((tmp / f"{run}/summary.json").read_text())
-            speed[name].append(summary["stages"]["train"]["result"]["samples_per_s"])
-    return speed
 
 
 PLANNER_REPEATS = 3
