@@ -93,7 +93,7 @@ class MarkovTokens(Dataset):
     def _walk(self, first: np.ndarray, gen: torch.Generator) -> np.ndarray:
         """The chain from `first`, one step per column, by inverse-CDF sampling of a uniform draw
         per step. The walk is sequential in time, so it runs in numpy: a step costs a few
-        microseconds where torch's per-call overhead made a 128K-token sample take half a minute."""
+        microseconds where torch's per-call overhead made a 128K-token sample take ~15 s."""
         cdf = (self.weights.cumsum(1) / self.weights.sum(1, keepdim=True))[:, :-1].numpy()
         successors = self.successors.numpy().reshape(-1)
         branching = self.successors.shape[1]

@@ -235,7 +235,7 @@ def _rank_priority() -> None:
     the threads it starts inherit it: the stage's thread, gloo's and torch's."""
     try:
         os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except (PermissionError, OSError):
+    except OSError:  # PermissionError: no right to raise its priority
         pass
 
 
