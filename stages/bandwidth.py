@@ -11,6 +11,10 @@ node's own ranks, all nodes at once (the intra-node tier: a node-local TP group)
 every node, all local ranks at once (the inter-node tier as one rank's share of the NICs sees it:
 the data-parallel group of a node-local TP layout). The whole world is the third: every rank of
 every node, across nodes.
+
+On a CPU host the ranks share the cores that both compute and communicate, so the stage also
+measures what every rank working at once costs each of them (training.shared_cores): the plan's
+cost model needs it there, and on GPUs it does not apply.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from typing import Any
 from stages.common import log, progress
 from training.collectives import Measurement, element_count, message_sizes, probe
 from training.config import BandwidthConfig
-from training.dist import backend, is_main, world_size
+from training.dist import backend, device, is_main, world_size
+from training.shared_cores import SharedCores
+from training.shared_cores import measure as measure_shared_cores
 
 SKIPPED_WORLD_1 = "world size 1: no links to measure"
 VERDICT_COLLECTIVE = "all_reduce"
@@ -65,6 +71,9 @@ class BandwidthResult:
     spread_results: list[Measurement] = field(default_factory=list)
     """One rank of every node, every local rank at once: the inter-node tier as one rank's share of
     the node's NICs carries it. Empty with one node or one rank per node (`results` is then that)."""
+    shared_cores: SharedCores | None = None
+    """CPU ranks: compute with every rank working against alone, and what a collective issued
+    between compute costs beyond the probe's back-to-back time. None on GPUs and at one rank."""
 
     def metrics(self) -> list[tuple[str, float, int]]:
         """MLflow (key, value, step): each measurement at step = its bytes, and each collective's
@@ -82,6 +91,9 @@ class BandwidthResult:
             top = largest(self.results, name)
             assert top is not None
             out.append((f"comm/{name}/busbw_gbps_largest", top.busbw_gbps, 0))
+        if self.shared_cores is not None:
+            out += [("comm/shared_cores/compute_factor", self.shared_cores.compute_factor, 0),
+                    ("comm/shared_cores/call_ms", self.shared_cores.call_s * 1e3, 0)]
         return out
 
     def headline(self) -> str:
@@ -139,7 +151,12 @@ def run(cfg: BandwidthInputs) -> BandwidthResult:
     report = (lambda line: progress("bandwidth", f"{next(done)}/{total} measured; {line.strip()}")) if is_main() else None
     results = probe(bw.collectives, sizes, bw.warmup_iters, bw.iters, report)
     node, spread = (_tiers(bw, sizes, cfg.nodes, cfg.procs_per_node, report) if tiers else ([], []))
-    return _result(bw, world, results, None, cfg, node, spread)
+    shared = None
+    if device().type == "cpu":
+        shared = measure_shared_cores(bw.max_bytes, bw.iters, bw.warmup_iters)
+        if is_main():
+            log("bandwidth", shared.describe())
+    return _result(bw, world, results, None, cfg, node, spread, shared)
 
 
 def _tiers(bw: BandwidthConfig, sizes: list[int], nodes: int, per_node: int,
@@ -177,7 +194,7 @@ def free_device_bytes() -> int | None:
 
 def _result(bw: BandwidthConfig, world: int, results: list[Measurement], skipped: str | None,
             cfg: BandwidthInputs | None = None, node: list[Measurement] | None = None,
-            spread: list[Measurement] | None = None) -> BandwidthResult:
+            spread: list[Measurement] | None = None, shared: SharedCores | None = None) -> BandwidthResult:
     top = largest(results, VERDICT_COLLECTIVE)
     busbw = top.busbw_gbps if top is not None else None
     return BandwidthResult(
@@ -193,4 +210,5 @@ def _result(bw: BandwidthConfig, world: int, results: list[Measurement], skipped
         procs_per_node=cfg.procs_per_node if cfg else world,
         node_results=node or [],
         spread_results=spread or [],
+        shared_cores=shared,
     )

@@ -512,13 +512,17 @@ def hardware(cfg: PlanInputs, executed_flops_per_sample: float, rulers: Rulers |
     if c.measured:
         assert rulers is not None and bandwidth is not None, "a measured cluster needs the measurements"
         cpu = rulers.memory_source != "cuda_allocator"
+        # The ranks' own threads and cores as the bandwidth stage found them on every rank; at one
+        # rank (nothing probed) this process's.
+        shared = bandwidth.shared_cores if cpu else None
         return Hardware(
             device_memory_bytes=rulers.device_memory_bytes,
             **measured_tiers(bandwidth),
             seconds_per_sample=rulers.step_compute_s / micro,
-            cores=(os.cpu_count() or 1) if cpu else None,
-            threads_per_device=rulers.threads,
+            cores=(shared.cores if shared else os.cpu_count() or 1) if cpu else None,
+            threads_per_device=shared.threads_per_rank if shared else rulers.threads,
             overhead_s=rulers.strategy_overhead_s,
+            shared=shared,
         )
     # The run's own precision at the datasheet's peak for it, times what a tuned step achieves.
     per_sample = executed_flops_per_sample / (precision_peak(advice_inputs(cfg), cfg.strategy.precision) * c.achievable_mfu)
@@ -641,6 +645,8 @@ def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult,
     fields, reasons = advise_plan(cfg, anatomy, costs, hw, w, calibration)
     target = micro * cfg.train.grad_accum * data_parallel_size(cfg)
     reasons += ruler_reasons(rulers, cfg, world) + [lr_reason(lr_find, target, cfg.train.warmup_steps)]
+    if hw.shared is not None:
+        reasons.append(hw.shared.describe())
     if cfg.plan.calibrate:
         reasons.append(calibration.describe() if calibration is not None else
                        "calibration: no earlier run of this model, batch, cluster and launcher in MLflow yet; "

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from training import strategies
 from training.parallel.dims import DIM_NAMES, ParallelDims
 from training.parallel.schedules import stage_blocks
+from training.shared_cores import SharedCores, time_share
 
 COSTMODEL_VERSION = 3
 """Bumped when the predicted components change meaning (2: per-call latency, measured strategy
@@ -549,15 +550,17 @@ class StepPrediction:
 
 
 def step_time(compute_s: float, comm: Comm, d: ParallelDims, microbatches: int, overlap: float,
-              overhead_s: float = 0.0, schedule: str = "1f1b", virtual: int = 1) -> StepPrediction:
+              overhead_s: float = 0.0, schedule: str = "1f1b", virtual: int = 1,
+              call_cost_s: float = 0.0) -> StepPrediction:
     """compute + the strategy's overhead + exposed communication + pipeline bubble.
 
     `compute_s` is the whole step's compute on one rank (its share of the model and batch).
     Data-parallel traffic hides behind the backward pass (2/3 of compute) up to `overlap`;
-    tensor- and pipeline-parallel traffic is on the critical path."""
+    tensor- and pipeline-parallel traffic is on the critical path. `call_cost_s` is what each
+    collective issued between compute costs beyond its probe time (CPU hosts: SharedCores)."""
     hidden = overlap * compute_s * 2 / 3
     dp_exposed = max(comm.data_parallel_s - hidden, min(comm.tail_s, comm.data_parallel_s) if overlap else 0.0, 0.0)
-    exposed = dp_exposed + comm.tensor_parallel_s + comm.pipeline_s
+    exposed = dp_exposed + comm.tensor_parallel_s + comm.pipeline_s + comm.calls * call_cost_s
     busy = compute_s + overhead_s + exposed
     idle = pipeline_bubble(d.pp, microbatches, schedule, virtual)
     bubble = busy * idle / (1 - idle)
@@ -584,6 +587,9 @@ class Hardware:
     """CPU hosts: the cores the ranks share; None for GPUs (every rank has its own device)."""
     threads_per_device: int = 1
     """CPU hosts: threads one rank computes with (the measured "device")."""
+    shared: SharedCores | None = None
+    """CPU hosts where the bandwidth stage measured it: compute with every rank working, and the
+    cost of a collective issued between compute. None: the cores' time-sharing alone, no call cost."""
     overhead_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Per strategy: what its wrapper adds to one micro-batch step, measured on one rank
     (training/overhead.py); a strategy not in it (a what-if cluster, pp) is taken to add nothing."""
@@ -598,7 +604,14 @@ class Hardware:
         host, once the ranks' threads outnumber its cores they time-share them."""
         if self.cores is None:
             return 1.0
-        return max(1.0, world * self.threads_per_device / self.cores)
+        if self.shared is not None:
+            return self.shared.contention(world)
+        return time_share(world, self.threads_per_device, self.cores)
+
+    def call_cost(self, world: int) -> float:
+        """What each collective issued between compute adds at `world` ranks (0 on GPUs and where
+        nothing measured it)."""
+        return self.shared.call_cost(world) if self.shared is not None and self.cores is not None else 0.0
 
     def compute_per_sample(self, world: int) -> float:
         """Per-sample compute of one rank when `world` ranks run."""
@@ -962,7 +975,8 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: ParallelDims, mem
     per_sample = w.seconds_per_sample if w.seconds_per_sample is not None else hw.seconds_per_sample
     compute = per_sample * hw.contention(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp * d.cp)
     overhead = hw.strategy_overhead(flavour, devices) * w.grad_accum
-    step = step_time(compute, comm, d, w.microbatches, overlap, overhead, w.pp_schedule, w.pp_virtual_stages)
+    step = step_time(compute, comm, d, w.microbatches, overlap, overhead, w.pp_schedule, w.pp_virtual_stages,
+                     hw.call_cost(devices))
     step_s = step.step_s
     if calibration is not None:
         step_s = calibration.step_s(name, step)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from stages.bandwidth import SKIPPED_WORLD_1, BandwidthInputs, BandwidthResult
@@ -25,12 +27,18 @@ def test_two_ranks_measure_every_collective_at_every_size() -> None:
     assert (top.collective, top.bytes) == ("all_reduce", SIZES[-1])
     assert result.largest_all_reduce_busbw_gbps == top.busbw_gbps
     assert result.verdict.startswith(("ok: ", "below ruler: "))
+    # CPU ranks share the host's cores: what that costs them is measured beside the probe.
+    shared = result.shared_cores
+    assert shared is not None
+    assert (shared.world, shared.cores) == (2, len(os.sched_getaffinity(0)))
+    assert shared.threads_per_rank >= 1 and shared.alone_s > 0 and shared.together_s > 0 and shared.call_s >= 0
+    assert ("comm/shared_cores/call_ms", shared.call_s * 1e3, 0) in result.metrics()
 
 
 def test_world_of_one_measures_nothing() -> None:
     result = run_world("stages.bandwidth:run", BandwidthInputs(BandwidthConfig(max_bytes=1024)), world=1)
     assert (result.results, result.skipped_reason) == ([], SKIPPED_WORLD_1)
-    assert result.largest_all_reduce_busbw_gbps is None
+    assert result.largest_all_reduce_busbw_gbps is None and result.shared_cores is None
     assert result.verdict.startswith("not measured")
     assert result.headline() == f"not measured: {SKIPPED_WORLD_1}"
 
@@ -44,6 +52,7 @@ def test_two_nodes_of_two_ranks_probe_both_tiers(tmp_path) -> None:
     from pipelines.launchers.local import LocalLauncher
     from pipelines.schema import LauncherConfig
     from stages.plan import measured_tiers
+    from training.shared_cores import time_share
 
     cfg = BandwidthConfig(min_bytes=1024, max_bytes=65536, factor=8, iters=3, warmup_iters=1,
                           collectives=["all_reduce", "all_gather"])
@@ -56,6 +65,11 @@ def test_two_nodes_of_two_ranks_probe_both_tiers(tmp_path) -> None:
         assert [m.collective for m in tier] == [c for c, _ in sizes], "the same collectives and sizes per tier"
         for m in tier:
             assert m.time_us > 0 and m.busbw_gbps == pytest.approx(m.algbw_gbps * bus_factor(m.collective, 2))
+    # Four single-threaded ranks on this host's cores: once they outnumber the cores, each gets
+    # its share of one, and the measured compute slows by at least most of the time-sharing.
+    shared = result.shared_cores
+    assert shared.world == 4
+    assert shared.compute_factor >= 0.75 * time_share(4, shared.threads_per_rank, shared.cores)
     tiers = measured_tiers(result)
     assert tiers["devices_per_node"] == 2 and {"intra", "inter", "inter_single"} <= tiers.keys()
     assert tiers["intra"]["all_reduce"].world == 2 and tiers["inter"]["all_reduce"].world == 4

@@ -1,0 +1,174 @@
+"""How the ranks of a CPU host slow each other down, measured with every rank working at once.
+
+On a GPU each rank has its own device and NCCL moves the bytes on the GPU's own engines: compute
+and communication overlap, and one rank's work does not slow its neighbour's. On a CPU host
+(gloo) neither holds. The ranks' threads share the host's cores, and a collective runs on the
+same cores as the compute around it. Two things follow that a bandwidth probe alone cannot see,
+since it times its collectives back to back with nothing else running:
+
+- compute: a rank's work runs slower when every rank works than when it runs alone, by the
+  time-sharing of cores once the threads outnumber them, and by more than that share (caches
+  and context switches) when they do;
+- communication: a collective issued between compute, as a training step issues it, costs more
+  than the same call in a back-to-back loop. The ranks reach it at different moments (it waits
+  for the slowest) and wake its threads after a stretch of compute. On the 2-core host this was
+  written on: about +1.2 to +1.5 ms per call at 2 ranks, +3 to +5 ms at 4, whatever the size
+  (4 KiB to 4 MiB). That is a per-call cost, and a step of nine FSDP collectives pays it nine times.
+
+`measure` times both with a fixed matmul kernel as the compute. The numbers are the host's, not
+the model's, and it needs only an initialised process group, like training.collectives.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+KERNEL_S = 0.005
+"""Target length of the compute kernel a collective is issued after: a few milliseconds, as a
+small model's backward pass is on a CPU. (A line through 2 and 8 ms kernels, to let the cost grow
+with the compute since the last call, was tried: the two points' noise decided its slope.)"""
+KERNEL_SIDE = 192
+"""Side of the square matmul the kernel repeats: its operands (3 x 147 KiB) stay in one core's cache."""
+SIZES = (8, 1024 * 1024)
+"""The all_reduce sizes the per-call cost is measured at (at most the probe's largest)."""
+ROUNDS = 5
+"""Rounds of every measurement, interleaved; each number is the median over them. On the 2-core
+host this was written on one round's per-call cost ranged from 0 to 2.6 ms at 2 ranks: a moment's
+noise, which interleaving and the median keep out of what the plan predicts from."""
+
+
+def time_share(world: int, threads_per_rank: int, cores: int) -> float:
+    """How much slower each rank computes when `world` ranks of `threads_per_rank` threads share
+    `cores` cores, by time-sharing alone: 1 until the threads outnumber the cores."""
+    return max(1.0, world * threads_per_rank / cores)
+
+
+@dataclass(frozen=True)
+class SharedCores:
+    """What every rank working at once costs each rank on a CPU host, measured at `world` ranks."""
+
+    world: int
+    threads_per_rank: int
+    """torch's intra-op threads on each rank (the largest, if they differ)."""
+    cores: int
+    """The cores the ranks may run on (the affinity of the first rank)."""
+    alone_s: float
+    """The compute kernel on rank 0 while every other rank waits (its mean; the median of ROUNDS)."""
+    together_s: float
+    """The same kernel on every rank at once: the slowest rank's mean (the median of ROUNDS)."""
+    call_s: float
+    """What a collective issued after compute costs beyond the same call back to back: the median
+    over ROUNDS x SIZES of the slowest rank's difference."""
+
+    @property
+    def compute_factor(self) -> float:
+        """How much slower compute runs with every rank working (at least 1: alone is the best case)."""
+        return max(1.0, self.together_s / self.alone_s)
+
+    def oversubscription(self, world: int) -> float:
+        """time_share at `world` ranks of this host's threads and cores."""
+        return time_share(world, self.threads_per_rank, self.cores)
+
+    def contention(self, world: int) -> float:
+        """The compute slow-down at `world` ranks: measured at this probe's world; elsewhere the
+        cores' time-sharing, times what the measurement found beyond it where the cores are
+        oversubscribed (at one rank, nothing)."""
+        if world <= 1:
+            return 1.0
+        if world == self.world:
+            return self.compute_factor
+        share = self.oversubscription(world)
+        if share <= 1.0:
+            return 1.0
+        return share * max(1.0, self.compute_factor / self.oversubscription(self.world))
+
+    def call_cost(self, world: int) -> float:
+        """Seconds each collective issued between compute adds at `world` ranks: measured at this
+        probe's world, scaled by the cores' time-sharing elsewhere (a rank that waits for the
+        slowest waits longer when each gets a smaller share of a core)."""
+        if world <= 1:
+            return 0.0
+        return self.call_s * self.oversubscription(world) / self.oversubscription(self.world)
+
+    def describe(self) -> str:
+        return (f"shared cores ({self.world} ranks x {self.threads_per_rank} threads on {self.cores} cores, measured): "
+                f"compute {self.compute_factor:.2f}x slower with every rank working "
+                f"({self.together_s * 1e3:.1f} vs {self.alone_s * 1e3:.1f} ms alone), each collective issued "
+                f"between compute +{self.call_s * 1e3:.2f} ms beyond the probe's back-to-back time")
+
+
+def _kernel(repeats: int, a: Any, b: Any) -> None:
+    for _ in range(repeats):
+        a @ b
+
+
+def _mean_time(fn: Any, iters: int, warmup: int) -> float:
+    """Seconds per call of `fn`: the mean, as the probe's (and a step time, which is a throughput)
+    is; a stall now and then is part of what a step pays."""
+    for _ in range(warmup):
+        fn()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters
+
+
+def _slowest(seconds: float) -> float:
+    """The largest of every rank's `seconds` (a collective)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def measure(max_bytes: int, iters: int, warmup: int) -> SharedCores:
+    """Time the kernel alone and on every rank at once, and all_reduce issued after it against
+    back to back, on every rank of the initialised (CPU) process group; every rank returns the
+    same result."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from training.collectives import element_count
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    a, b = torch.randn(KERNEL_SIDE, KERNEL_SIDE), torch.randn(KERNEL_SIDE, KERNEL_SIDE)
+    # Rank 0 sizes the kernel alone and every rank uses its count, so that all run the same work.
+    repeats = torch.tensor([0])
+    if rank == 0:
+        once = _mean_time(lambda: _kernel(10, a, b), 5, 2) / 10
+        repeats[0] = max(1, round(KERNEL_S / once))
+    dist.broadcast(repeats, src=0)
+    n = int(repeats.item())
+
+    def kernel() -> None:
+        _kernel(n, a, b)
+
+    buffers = [torch.zeros(count) for count in sorted({element_count(min(s, max_bytes), world) for s in SIZES})]
+    alone, together, extra = [], [], []
+    for _ in range(ROUNDS):
+        lone = torch.tensor([0.0], dtype=torch.float64)
+        if rank == 0:  # the others wait in the broadcast: blocked, not spinning
+            lone[0] = _mean_time(kernel, iters, warmup)
+        dist.broadcast(lone, src=0)
+        alone.append(lone.item())
+        dist.barrier()
+        together.append(_slowest(_mean_time(kernel, iters, warmup)))
+        for buffer in buffers:
+            dist.barrier()
+            bare = _slowest(_mean_time(lambda buffer=buffer: dist.all_reduce(buffer), iters, warmup))
+            dist.barrier()
+            after = _slowest(_mean_time(lambda buffer=buffer: (kernel(), dist.all_reduce(buffer)), iters, warmup))
+            extra.append(after - together[-1] - bare)
+    threads = int(_slowest(float(torch.get_num_threads())))
+    cores = torch.tensor([len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1])
+    dist.broadcast(cores, src=0)
+    return SharedCores(world=world, threads_per_rank=threads, cores=int(cores.item()),
+                       alone_s=statistics.median(alone), together_s=statistics.median(together),
+                       call_s=max(0.0, statistics.median(extra)))
