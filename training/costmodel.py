@@ -608,10 +608,10 @@ class Hardware:
             return self.shared.contention(world)
         return time_share(world, self.threads_per_device, self.cores)
 
-    def call_cost(self, world: int) -> float:
-        """What each collective issued between compute adds at `world` ranks (0 on GPUs and where
-        nothing measured it)."""
-        return self.shared.call_cost(world) if self.shared is not None and self.cores is not None else 0.0
+    def call_cost(self, world: int, gap_s: float) -> float:
+        """What a collective issued after `gap_s` of compute adds at `world` ranks (0 on GPUs and
+        where nothing measured it)."""
+        return self.shared.call_cost(world, gap_s) if self.shared is not None and self.cores is not None else 0.0
 
     def compute_per_sample(self, world: int) -> float:
         """Per-sample compute of one rank when `world` ranks run."""
@@ -975,8 +975,9 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: ParallelDims, mem
     per_sample = w.seconds_per_sample if w.seconds_per_sample is not None else hw.seconds_per_sample
     compute = per_sample * hw.contention(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp * d.cp)
     overhead = hw.strategy_overhead(flavour, devices) * w.grad_accum
+    # Each collective follows its share of the step's compute: the stretch the ranks drift over.
     step = step_time(compute, comm, d, w.microbatches, overlap, overhead, w.pp_schedule, w.pp_virtual_stages,
-                     hw.call_cost(devices))
+                     hw.call_cost(devices, (compute + overhead) / max(comm.calls, 1)))
     step_s = step.step_s
     if calibration is not None:
         step_s = calibration.step_s(name, step)

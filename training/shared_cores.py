@@ -6,17 +6,24 @@ and communication overlap, and one rank's work does not slow its neighbour's. On
 same cores as the compute around it. Two things follow that a bandwidth probe alone cannot see,
 since it times its collectives back to back with nothing else running:
 
-- compute: a rank's work runs slower when every rank works than when it runs alone, by the
-  time-sharing of cores once the threads outnumber them, and by more than that share (caches
-  and context switches) when they do;
+- compute: a rank's work runs slower when every rank works than when it runs alone: by the
+  time-sharing of cores once the threads outnumber them, and by more than that share when they
+  do (a training step's many small operations suffer more than one big matmul: 4 ranks on the
+  2 cores this was written on ran gpt-tiny's step 2.27x slower, a matmul loop 2.0x, a small
+  MLP's forward and backward 2.3-2.8x);
 - communication: a collective issued between compute, as a training step issues it, costs more
   than the same call in a back-to-back loop. The ranks reach it at different moments (it waits
-  for the slowest) and wake its threads after a stretch of compute. On the 2-core host this was
-  written on: about +1.2 to +1.5 ms per call at 2 ranks, +3 to +5 ms at 4, whatever the size
-  (4 KiB to 4 MiB). That is a per-call cost, and a step of nine FSDP collectives pays it nine times.
+  for the slowest) and wake its threads after a stretch of compute; the longer the stretch, the
+  further apart they drift. On that host, at 2 ranks, DDP's one all-reduce after a 10 ms
+  backward cost 2.2-2.6 ms more than back to back, each of zero3's nine calls between ~1 ms
+  units about 0.2 ms more; at 4 ranks, where every wake-up waits for a time slice, about 3 ms
+  more per call, whatever the size (4 KiB to 4 MiB).
 
-`measure` times both with a fixed matmul kernel as the compute. The numbers are the host's, not
-the model's, and it needs only an initialised process group, like training.collectives.
+`measure` times both with a small MLP's forward and backward as the compute (the dispatcher,
+allocator and autograd work of a training step, not only its matmuls), after a short and a long
+stretch of it: a line, the per-call cost and the drift per second of compute. The numbers are
+the host's, not the model's, and it needs only an initialised process group, like
+training.collectives.
 """
 
 from __future__ import annotations
@@ -26,12 +33,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-KERNEL_S = 0.005
-"""Target length of the compute kernel a collective is issued after: a few milliseconds, as a
-small model's backward pass is on a CPU. (A line through 2 and 8 ms kernels, to let the cost grow
-with the compute since the last call, was tried: the two points' noise decided its slope.)"""
-KERNEL_SIDE = 192
-"""Side of the square matmul the kernel repeats: its operands (3 x 147 KiB) stay in one core's cache."""
+KERNEL_S = (0.001, 0.008)
+"""The short and long stretches of compute a collective is issued after (a small model's unit
+and whole backward pass on a CPU)."""
+KERNEL_WIDTH = 64
+"""Width of the MLP the kernel trains (64 -> 256 -> 64, a layer norm, 64 rows): gpt-tiny's."""
 SIZES = (8, 1024 * 1024)
 """The all_reduce sizes the per-call cost is measured at (at most the probe's largest)."""
 ROUNDS = 5
@@ -56,12 +62,16 @@ class SharedCores:
     cores: int
     """The cores the ranks may run on (the affinity of the first rank)."""
     alone_s: float
-    """The compute kernel on rank 0 while every other rank waits (its mean; the median of ROUNDS)."""
+    """The long stretch of the kernel on rank 0 while every other rank waits (its mean; the median
+    of ROUNDS)."""
     together_s: float
-    """The same kernel on every rank at once: the slowest rank's mean (the median of ROUNDS)."""
+    """The same on every rank at once: the slowest rank's mean (the median of ROUNDS)."""
     call_s: float
-    """What a collective issued after compute costs beyond the same call back to back: the median
-    over ROUNDS x SIZES of the slowest rank's difference."""
+    """What a collective issued right after compute costs beyond the same call back to back: the
+    line's value at no compute (the slowest rank's difference, the median of ROUNDS x SIZES at
+    each of the two stretches)."""
+    drift: float = 0.0
+    """And per second of compute since the last call: the line's slope (at least 0)."""
 
     @property
     def compute_factor(self) -> float:
@@ -85,24 +95,36 @@ class SharedCores:
             return 1.0
         return share * max(1.0, self.compute_factor / self.oversubscription(self.world))
 
-    def call_cost(self, world: int) -> float:
-        """Seconds each collective issued between compute adds at `world` ranks: measured at this
-        probe's world, scaled by the cores' time-sharing elsewhere (a rank that waits for the
-        slowest waits longer when each gets a smaller share of a core)."""
+    def call_cost(self, world: int, gap_s: float) -> float:
+        """Seconds a collective issued after `gap_s` of compute adds at `world` ranks: the line
+        measured at this probe's world; elsewhere its per-call part scaled by the cores'
+        time-sharing (a rank that waits for the slowest waits longer when each has less of a core)."""
         if world <= 1:
             return 0.0
-        return self.call_s * self.oversubscription(world) / self.oversubscription(self.world)
+        return self.call_s * self.oversubscription(world) / self.oversubscription(self.world) + self.drift * gap_s
 
     def describe(self) -> str:
         return (f"shared cores ({self.world} ranks x {self.threads_per_rank} threads on {self.cores} cores, measured): "
                 f"compute {self.compute_factor:.2f}x slower with every rank working "
                 f"({self.together_s * 1e3:.1f} vs {self.alone_s * 1e3:.1f} ms alone), each collective issued "
-                f"between compute +{self.call_s * 1e3:.2f} ms beyond the probe's back-to-back time")
+                f"between compute +{self.call_s * 1e3:.2f} ms beyond the probe's back-to-back time and "
+                f"+{self.drift * 1e3:.0f} us per ms of compute since the last call (the ranks drift apart)")
 
 
-def _kernel(repeats: int, a: Any, b: Any) -> None:
-    for _ in range(repeats):
-        a @ b
+class _Kernel:
+    """A small MLP's forward and backward, `repeats` times per call."""
+
+    def __init__(self) -> None:
+        import torch
+
+        w = KERNEL_WIDTH
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(w, 4 * w), torch.nn.GELU(), torch.nn.Linear(4 * w, w),
+                                       torch.nn.LayerNorm(w))
+        self.x = torch.randn(w, w)
+
+    def __call__(self, repeats: int) -> None:
+        for _ in range(repeats):
+            self.mlp(self.x).sum().backward()
 
 
 def _mean_time(fn: Any, iters: int, warmup: int) -> float:
@@ -127,9 +149,9 @@ def _slowest(seconds: float) -> float:
 
 
 def measure(max_bytes: int, iters: int, warmup: int) -> SharedCores:
-    """Time the kernel alone and on every rank at once, and all_reduce issued after it against
-    back to back, on every rank of the initialised (CPU) process group; every rank returns the
-    same result."""
+    """Time the kernel alone and on every rank at once, and all_reduce issued after a short and a
+    long stretch of it against back to back, on every rank of the initialised (CPU) process group;
+    every rank returns the same result."""
     import os
 
     import torch
@@ -138,37 +160,37 @@ def measure(max_bytes: int, iters: int, warmup: int) -> SharedCores:
     from training.collectives import element_count
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    a, b = torch.randn(KERNEL_SIDE, KERNEL_SIDE), torch.randn(KERNEL_SIDE, KERNEL_SIDE)
-    # Rank 0 sizes the kernel alone and every rank uses its count, so that all run the same work.
-    repeats = torch.tensor([0])
+    iters = max(5, iters // 2)  # each iteration is a stretch of compute: ROUNDS of half the probe's count
+    kernel = _Kernel()
+    # Rank 0 sizes the stretches alone and every rank uses its counts, so that all do the same work.
+    repeats = torch.tensor([0] * len(KERNEL_S))
     if rank == 0:
-        once = _mean_time(lambda: _kernel(10, a, b), 5, 2) / 10
-        repeats[0] = max(1, round(KERNEL_S / once))
+        once = _mean_time(lambda: kernel(10), 5, 2) / 10
+        repeats[:] = torch.tensor([max(1, round(length / once)) for length in KERNEL_S])
     dist.broadcast(repeats, src=0)
-    n = int(repeats.item())
-
-    def kernel() -> None:
-        _kernel(n, a, b)
-
+    short, long = (lambda n=int(n): kernel(n) for n in repeats.tolist())
     buffers = [torch.zeros(count) for count in sorted({element_count(min(s, max_bytes), world) for s in SIZES})]
-    alone, together, extra = [], [], []
+    alone, together, costs = [], {short: [], long: []}, {short: [], long: []}
     for _ in range(ROUNDS):
         lone = torch.tensor([0.0], dtype=torch.float64)
         if rank == 0:  # the others wait in the broadcast: blocked, not spinning
-            lone[0] = _mean_time(kernel, iters, warmup)
+            lone[0] = _mean_time(long, iters, warmup)
         dist.broadcast(lone, src=0)
         alone.append(lone.item())
-        dist.barrier()
-        together.append(_slowest(_mean_time(kernel, iters, warmup)))
-        for buffer in buffers:
+        for stretch in (short, long):
             dist.barrier()
-            bare = _slowest(_mean_time(lambda buffer=buffer: dist.all_reduce(buffer), iters, warmup))
-            dist.barrier()
-            after = _slowest(_mean_time(lambda buffer=buffer: (kernel(), dist.all_reduce(buffer)), iters, warmup))
-            extra.append(after - together[-1] - bare)
+            together[stretch].append(_slowest(_mean_time(stretch, iters, warmup)))
+            for buffer in buffers:
+                dist.barrier()
+                bare = _slowest(_mean_time(lambda buffer=buffer: dist.all_reduce(buffer), iters, warmup))
+                dist.barrier()
+                after = _slowest(_mean_time(lambda buffer=buffer, stretch=stretch: (stretch(), dist.all_reduce(buffer)),
+                                            iters, warmup))
+                costs[stretch].append(after - together[stretch][-1] - bare)
+    (x0, y0), (x1, y1) = ((statistics.median(together[s]), statistics.median(costs[s])) for s in (short, long))
+    drift = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 else 0.0
     threads = int(_slowest(float(torch.get_num_threads())))
     cores = torch.tensor([len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1])
     dist.broadcast(cores, src=0)
     return SharedCores(world=world, threads_per_rank=threads, cores=int(cores.item()),
-                       alone_s=statistics.median(alone), together_s=statistics.median(together),
-                       call_s=max(0.0, statistics.median(extra)))
+                       alone_s=statistics.median(alone), together_s=x1, call_s=max(0.0, y0 - drift * x0), drift=drift)

@@ -286,29 +286,34 @@ def test_the_history_is_the_median_of_each_points_first_three_measurements_and_t
 
 def test_a_cpu_hosts_measured_shared_cores_slow_compute_and_each_collective():
     """training/shared_cores.py: measured at 4 ranks on 2 cores, compute 2.2x (time-sharing's 2x and
-    10 % beyond it) and 3 ms per collective issued between compute."""
+    10 % beyond it); each collective issued between compute 3 ms, and 0.25 ms more per ms of
+    compute since the last one."""
     from training.costmodel import Comm, Hardware, step_time
     from training.shared_cores import SharedCores
 
-    shared = SharedCores(world=4, threads_per_rank=1, cores=2, alone_s=0.005, together_s=0.011, call_s=0.003)
+    shared = SharedCores(world=4, threads_per_rank=1, cores=2, alone_s=0.005, together_s=0.011, call_s=0.003,
+                         drift=0.25)
     assert shared.contention(4) == pytest.approx(2.2)  # as measured
     assert shared.contention(1) == 1.0 and shared.contention(2) == 1.0  # a core each
     assert shared.contention(8) == pytest.approx(4 * 1.1)  # time-sharing, and the 10 % found beyond it
-    assert shared.call_cost(1) == 0.0
-    assert shared.call_cost(2) == pytest.approx(0.0015)  # each rank a whole core: half the wait
+    assert shared.call_cost(1, 0.010) == 0.0
+    assert shared.call_cost(4, 0.0) == pytest.approx(0.003)
+    assert shared.call_cost(4, 0.010) == pytest.approx(0.003 + 0.0025)  # after 10 ms of compute
+    assert shared.call_cost(2, 0.0) == pytest.approx(0.0015)  # each rank a whole core: half the wait
     cpu = Hardware(1e9, 10**9, {}, {}, seconds_per_sample=1e-3, cores=2, threads_per_device=1, shared=shared)
-    assert cpu.contention(4) == pytest.approx(2.2) and cpu.call_cost(4) == pytest.approx(0.003)
+    assert cpu.contention(4) == pytest.approx(2.2) and cpu.call_cost(4, 0.0) == pytest.approx(0.003)
     assert dataclasses.replace(cpu, shared=None).contention(4) == 2.0  # time-sharing alone
     gpu = dataclasses.replace(cpu, cores=None)
-    assert gpu.contention(4) == 1.0 and gpu.call_cost(4) == 0.0  # a GPU is its rank's own
+    assert gpu.contention(4) == 1.0 and gpu.call_cost(4, 0.010) == 0.0  # a GPU is its rank's own
     nine = Comm(0.004, 0.0, 0.0, calls=9)
-    step = step_time(0.020, nine, ParallelDims(dp_shard=4), 1, overlap=0.0, call_cost_s=cpu.call_cost(4))
+    step = step_time(0.020, nine, ParallelDims(dp_shard=4), 1, overlap=0.0, call_cost_s=cpu.call_cost(4, 0.0))
     assert step.exposed_comm_s == pytest.approx(0.004 + 9 * 0.003)
 
 
 def test_a_prediction_on_a_measured_cpu_host_pays_the_shared_cores():
-    """predict_layout with a SharedCores: compute times the measured factor, one call cost per
-    collective the step makes (a DDP step of one bucket: one)."""
+    """predict_layout with a SharedCores: compute times the measured factor; each collective the
+    step makes pays the per-call cost and the drift over its share of the compute (a DDP step of
+    one bucket: one call, after the whole backward)."""
     from training.costmodel import Hardware, Workload, predict_layout
     from training.shared_cores import SharedCores
 
@@ -317,11 +322,12 @@ def test_a_prediction_on_a_measured_cpu_host_pays_the_shared_cores():
                  tokens_per_sample=16, activation_bytes_per_sample=0.0)
     link = {"all_reduce": Link(alpha_s=1e-4, busbw_gbps=1.0, world=4)}
     plain = Hardware(1e12, 10**9, link, link, seconds_per_sample=1e-3, cores=2, threads_per_device=1)
-    shared = SharedCores(world=4, threads_per_rank=1, cores=2, alone_s=0.005, together_s=0.012, call_s=0.003)
+    shared = SharedCores(world=4, threads_per_rank=1, cores=2, alone_s=0.005, together_s=0.012, call_s=0.003,
+                         drift=0.5)
     before = predict_layout(w, plain, "ddp", ParallelDims(dp_replicate=4), float("inf"), 0.0, 1.0)
     after = predict_layout(w, dataclasses.replace(plain, shared=shared), "ddp", ParallelDims(dp_replicate=4),
                            float("inf"), 0.0, 1.0)
     assert before.collective_calls == after.collective_calls == 1
     assert before.compute_s == pytest.approx(4e-3 * 2.0)  # 4 samples, 4 ranks on 2 cores
     assert after.compute_s == pytest.approx(4e-3 * 2.4)
-    assert after.exposed_comm_s == pytest.approx(before.exposed_comm_s + 0.003)
+    assert after.exposed_comm_s == pytest.approx(before.exposed_comm_s + 0.003 + 0.5 * after.compute_s)
