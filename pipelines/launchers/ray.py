@@ -43,6 +43,10 @@ from pipelines.schema import LauncherConfig
 from training.config import ConfigError
 
 CONNECT_TIMEOUT_S = 5.0
+DEATH_NOTICE_S = 60.0
+"""How much longer than launcher.grace_s a stage waits, once a rank's process is gone, for Ray
+Train to notice and restart the group (or end it): a fixed grace read a death as a stage failure
+when a loaded host was slow to notice (one CI run)."""
 # Ray binds AF_UNIX sockets at <temp>/session_<date>_<pid>/sockets/plasma_store (about 66
 # characters below <temp>); Linux caps the whole path at 107.
 MAX_TEMP_DIR_CHARS = 40
@@ -122,7 +126,12 @@ class WorkerGroup:
                     return pickle.loads(outcomes[0].result)
                 if any(not o.ok for o in outcomes.values()):
                     failed_at = failed_at or time.monotonic()
-                    if len(outcomes) == ranks or time.monotonic() - failed_at > self.cfg.grace_s:
+                    # A missing rank whose process is gone died (killed, out of memory): its peers
+                    # fail at once on the broken link, and Ray Train restarts the group or ends it
+                    # once it notices, which on a loaded host takes longer than grace_s.
+                    missing = [r for r in range(ranks) if r not in outcomes]
+                    limit = self.cfg.grace_s + (DEATH_NOTICE_S if _gone(workdir, missing) else 0.0)
+                    if len(outcomes) == ranks or time.monotonic() - failed_at > limit:
                         hung = [r for r in range(ranks) if r not in outcomes]
                         note = f"; still running after {self.cfg.grace_s:g} s and killed: ranks {hung}" if hung else ""
                         self.doomed = bool(hung)
@@ -165,6 +174,20 @@ class WorkerGroup:
 
 def _failure_text(err: BaseException | None) -> str:
     return _first_line(err) if err is not None else "no error reported"
+
+
+def _gone(workdir: Path, ranks: list[int]) -> bool:
+    """Whether any of `ranks` left a pid file in `workdir` naming a process that no longer exists
+    (on this host; a worker on another host reads as gone, which only waits longer)."""
+    for rank in ranks:
+        path = workdir / f"rank{rank}.pid"
+        try:
+            os.kill(int(path.read_text().strip()), 0)
+        except (FileNotFoundError, ValueError, PermissionError):
+            continue
+        except ProcessLookupError:
+            return True
+    return False
 
 
 def _describe_controller_failure(err: BaseException, workdir: Path) -> str:
