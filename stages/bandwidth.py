@@ -152,7 +152,7 @@ def run(cfg: BandwidthInputs) -> BandwidthResult:
     results = probe(bw.collectives, sizes, bw.warmup_iters, bw.iters, report)
     node, spread = (_tiers(bw, sizes, cfg.nodes, cfg.procs_per_node, report) if tiers else ([], []))
     shared = None
-    if device().type == "cpu":
+    if bw.shared_cores and device().type == "cpu":
         shared = measure_shared_cores(bw.max_bytes, bw.iters, bw.warmup_iters)
         if is_main():
             log("bandwidth", shared.describe())

@@ -346,6 +346,9 @@ class BandwidthConfig:
     ruler_gbps: float = 20.0
     """The bandwidth ruler: all_reduce busbw at the largest size below this keeps data parallelism
     within a few devices."""
+    shared_cores: bool = True
+    """CPU ranks: also measure what every rank working at once costs each (training/shared_cores.py,
+    3-10 s on 2 cores); off, the plan time-shares the cores by threads x ranks / cores alone."""
 
     def __post_init__(self) -> None:
         if not self.collectives:
