@@ -66,23 +66,27 @@ def llama(h: int, ffn: int, layers: int, heads: int, kv: int, vocab: int, seq: i
 
 
 def llama405b(gpus: int, tp: int, cp: int, pp: int, seq: int, global_batch: int, microbatches: int,
-              schedule: str, virtual: int) -> tuple[str, ...]:
+              schedule: str, virtual: int, precision: str = "bf16") -> tuple[str, ...]:
     """Llama 3.1 405B (the hf-llama3-405b preset) at `seq` tokens on H100s: TP with sequence
-    parallelism, CP, a pipeline of `microbatches` one-sample microbatches, FSDP over the rest, bf16
-    with full recomputation."""
+    parallelism, CP, a pipeline of `microbatches` one-sample microbatches, FSDP over the rest, in
+    `precision` with full recomputation."""
     return ("model=hf-llama3-405b", f"data.seq_len={seq}", f"model.max_position_embeddings={max(seq, 8192)}",
             "cluster=h100-80g-ndr", f"nodes={gpus // 8}", "strategy=hybrid", "strategy.dp_replicate=1",
             f"strategy.dp_shard={gpus // (tp * cp * pp)}", f"strategy.tp={tp}", f"strategy.cp={cp}", f"strategy.pp={pp}",
             "strategy.sequence_parallel=true", f"train.global_batch={global_batch}", "train.grad_accum=1",
             f"strategy.microbatches={microbatches}", f"strategy.pp_schedule={schedule}",
-            f"strategy.pp_virtual_stages={virtual}", "strategy.precision=bf16", "strategy.activation_checkpointing=full")
+            f"strategy.pp_virtual_stages={virtual}", f"strategy.precision={precision}", "strategy.activation_checkpointing=full")
 
 
 def titan_h100_96g(overrides: tuple[str, ...]) -> tuple[str, ...]:
     """torchtitan's H100s (96 GB HBM2e at 500 W), whose peaks it used at up to 88 % of memory
-    (84.5 of 96 GiB): the budget a run that happened is held to is 0.9 of the device, not the
-    default 0.7 kept for a new run."""
-    return (*overrides, "cluster.device_memory_gib=96", "plan.memory_fraction=0.9")
+    (84.5 of 96 GiB)."""
+    return (*overrides, "cluster.device_memory_gib=96")
+
+
+HAPPENED = "plan.memory_fraction=0.9"
+"""The budget a published run is held to: it ran, so 0.9 of its devices' memory (torchtitan's
+405B rows peaked at up to 88 %), not the default 0.7 a new run is planned with."""
 
 
 def megatron(h: int, layers: int, heads: int, t: int, p: int, d: int, mbs: int, gbs: int) -> tuple[str, ...]:
@@ -159,12 +163,12 @@ ROWS = [
               16384, 8, 16, 16, 131072, 128, 16, "interleaved_1f1b", 2), None, "Llama 3 (Meta), H100",
               "as above; K/V all-gathered, as Meta's CP did", tflops_per_gpu=380),
     Published(TITAN_405, "Llama 3.1 405B, 512 H100, FSDP 8 TP 8 PP 8, interleaved 1F1B", titan_h100_96g(llama405b(
-              512, 8, 1, 8, 8192, 256, 32, "interleaved_1f1b", 2)), 128, "torchtitan Float8, H100",
+              512, 8, 1, 8, 8192, 256, 32, "interleaved_1f1b", 2, "fp8")), 128, "torchtitan Float8, H100",
               "Table 5; 2 stages per rank assumed", memory_gib=72.7),
     Published(TITAN_405, "Llama 3.1 405B, 512 H100, FSDP 8 TP 8 PP 8, 1F1B", titan_h100_96g(llama405b(
-              512, 8, 1, 8, 8192, 256, 32, "1f1b", 1)), 100, "torchtitan Float8, H100", "Table 5", memory_gib=82.5),
+              512, 8, 1, 8, 8192, 256, 32, "1f1b", 1, "fp8")), 100, "torchtitan Float8, H100", "Table 5", memory_gib=82.5),
     *(Published(TITAN_405, f"Llama 3.1 405B, 512 H100, FSDP {8 // cp} CP {cp} TP 8 PP 8, seq {seq // 1024}K",
-                titan_h100_96g(llama405b(512, 8, cp, 8, seq, 8 * (8 // cp), 8, "1f1b", 1)), tps,
+                titan_h100_96g(llama405b(512, 8, cp, 8, seq, 8 * (8 // cp), 8, "1f1b", 1, "fp8")), tps,
                 "torchtitan Float8, H100", "Table 6", memory_gib=mem)
       for cp, seq, tps, mem in ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1), (8, 262144, 16, 84.9))),
 ]
@@ -253,7 +257,7 @@ def check(row: Published, achievable_mfu: float | None = None) -> Checked:
     from stages.plan import whatif
 
     fraction = [] if achievable_mfu is None else [f"cluster.achievable_mfu={achievable_mfu:.6f}"]
-    inputs = plan_inputs([*row.overrides, *fraction])
+    inputs = plan_inputs([*row.overrides, HAPPENED, *fraction])
     result = whatif(inputs)
     world = result.world_size
     mine, best = result.requested, result.recommended
@@ -308,6 +312,9 @@ def write_table(checked: list[Checked], anchors: dict[str, Checked], path: Path)
              "the fraction a stack (its software and GPU) reached on its first row here, the anchor, set with",
              "`cluster.achievable_mfu=` as a user would after measuring one run of their own stack; the other",
              "rows of that stack are then held out: their error is the model's on layouts, sizes and scale.", "",
+             "A published run happened, so it is held to 0.9 of its devices' memory (`plan.memory_fraction=0.9`;",
+             "a new run is planned at 0.7). Float8 rows are planned with `strategy.precision=fp8`: the linears'",
+             "FLOPs at the fp8 peak, the rest of the step (attention above all, at long context) at bf16's.", "",
              "| run | stack | published tok/s/GPU | published MFU | preset: predicted | ratio | anchored: predicted "
              "| ratio | memory/GPU | fits | recommended tok/s/GPU | recommendation | source |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from pipelines.cache import code_version, digest, targets_code
 from pipelines.configtools import from_dict, to_jsonable
 from pipelines.schema import Config
-from training.config import ConfigError
+from training.config import WHATIF_PRECISIONS, ConfigError
 from training.contract import ContractFacts
 from training.files import write_atomic
 from training.parallel.dims import ParallelDims
@@ -43,6 +43,7 @@ def resolve(cfg: Config, gpus_per_node: int | None = None, uses_model: bool = Tr
     if cfg.cluster.measured:  # a what-if plan launches nothing: the workers' limits don't apply
         _check_world(cfg, gpus)
     dims = _check_degrees(cfg, gpus)
+    _check_whatif_precisions(cfg)
     _check_stage_names(cfg)
     _check_outputs(cfg)
     _check_study_reading(cfg)
@@ -225,6 +226,22 @@ def _check_degrees(cfg: Config, gpus: int | None) -> ParallelDims:
         # A what-if plan of a named cluster runs nothing: fp16 is a fact of the run it describes.
         raise ConfigError("strategy.precision", "fp16", "needs CUDA (loss scaling); use bf16 or fp32 on CPU")
     return dims
+
+
+def _check_whatif_precisions(cfg: Config) -> None:
+    """A what-if precision (fp8) is predicted, never trained: only on a described cluster with its
+    peak, where pipeline=plan runs nothing."""
+    asked = [("strategy.precision", cfg.strategy.precision)]
+    asked += [("plan.precisions", p) for p in cfg.plan.precisions or []]
+    for key, precision in asked:
+        if precision not in WHATIF_PRECISIONS:
+            continue
+        if cfg.cluster.measured:
+            raise ConfigError(key, precision, "is a what-if precision: training Float8 linears is not built; plan it "
+                              "on a described cluster (e.g. cluster=h100-80g-ndr pipeline=plan), or use bf16")
+        if cfg.cluster.fp8_peak_flops is None:
+            raise ConfigError(key, precision, f"cluster={cfg.cluster.name} has no fp8 tensor cores "
+                              "(cluster.fp8_peak_flops is null); use bf16")
 
 
 def _check_strategy(cfg: Config, dims: ParallelDims, facts: ContractFacts) -> None:

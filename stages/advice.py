@@ -78,7 +78,8 @@ def searched_variants(cfg: AdviceInputs, blocks: int) -> list[tuple[str, str]]:
 
 def precision_peak(cfg: AdviceInputs, precision: str) -> float | None:
     """The peak FLOP/s of one device in `precision`: train.peak_flops, else a described cluster's
-    datasheet figure (a measured CPU has none)."""
+    datasheet figure (a measured CPU has none). fp8's is the bf16 peak: MFU of a Float8 run is
+    reported against it (torchtitan's convention), its linears' fp8 speed-up counted as MFU."""
     if cfg.train.peak_flops is not None:
         return cfg.train.peak_flops
     if cfg.cluster.measured:
@@ -90,12 +91,15 @@ def precision_peak(cfg: AdviceInputs, precision: str) -> float | None:
 def variant(cfg: AdviceInputs, cost: VariantCost, own: VariantCost, hw: Hardware) -> Variant:
     """A setting's compute per sample: on a measured cluster the measured step scaled by the FLOPs
     it executes (checkpointing's recomputation); on a described one its FLOPs at the cluster's peak
-    for that precision times its achievable MFU."""
+    for that precision times its achievable MFU, fp8's linears at the fp8 peak and the rest of its
+    step (attention, norms, pointwise) at the bf16 one."""
     peak = precision_peak(cfg, cost.precision)
     if cfg.cluster.measured:
         seconds = hw.seconds_per_sample * cost.executed_flops_per_sample / own.executed_flops_per_sample
     else:
-        seconds = cost.executed_flops_per_sample / (peak * cfg.cluster.achievable_mfu)
+        float8 = cost.float8_flops_per_sample
+        rest = cost.executed_flops_per_sample - float8
+        seconds = (rest / peak + (float8 / cfg.cluster.fp8_peak_flops if float8 else 0.0)) / cfg.cluster.achievable_mfu
     return Variant(cost.precision, cost.activation_checkpointing, seconds, cost.activation_bytes_per_sample, peak,
                    cost.activation_replicated_bytes_per_sample, cost.activation_outside_blocks_bytes_per_sample,
                    cost.loss_temp_bytes_per_sample, cost.activation_sequence_replicated_bytes_per_sample,

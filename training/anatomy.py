@@ -29,7 +29,11 @@ from training.memory import AuditRow, SavedActivations, memory_audit
 from training.models import Batch, LossFn, batch_loss, batch_size, build_model, model_loss, tokens_per_sample
 from training.models.spec import ContractError, ModelSpec, model_spec, tp_divisors
 
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+"""The dtype a precision holds parameters in (fp8: bf16, each linear cast to Float8 inside its matmul)."""
+LINEAR_OPS = (torch.ops.aten.mm, torch.ops.aten.addmm)
+"""What nn.Linear runs forward and backward (a 3-D input is folded to 2-D): the matmuls Float8
+linears move to fp8 tensor cores (strategy.precision=fp8)."""
 
 
 def count_params(module: nn.Module) -> int:
@@ -89,6 +93,12 @@ class FlopCount:
     @property
     def total(self) -> int:
         return self._mode.get_total_flops()
+
+    @property
+    def linear(self) -> int:
+        """The linears' share of `total` (LINEAR_OPS): what Float8 linears run in fp8."""
+        counts = self._mode.get_flop_counts().get("Global", {})
+        return sum(counts.get(op, 0) for op in LINEAR_OPS)
 
     @property
     def convention(self) -> str:
@@ -253,6 +263,10 @@ class VariantCost:
     softmax): split over the TP ranks with the loss's temporaries where the trainer splits the head
     by vocabulary (Shape.head_params)."""
 
+    float8_flops_per_sample: float = 0.0
+    """Of the executed FLOPs, those fp8's Float8 linears run on fp8 tensor cores (every linear's
+    matmuls, forward and backward, the recomputed ones included); 0 in any other precision."""
+
 
 def build_on_meta(cfg: ModelConfig, seed: int, precision: str = "fp32",
                   checkpointing: str = "none") -> tuple[nn.Module, ModelSpec]:
@@ -310,7 +324,8 @@ def _measure_variant(cfg: ModelConfig, seed: int, sample: Batch, precision: str,
     sequence = split.sequence_replicated_bytes if norms else split.replicated_bytes
     return VariantCost(precision, checkpointing, flops.total / samples, split.saved_bytes / samples + temps,
                        split.replicated_bytes / samples + temps, temps, split.outside_blocks_bytes / samples,
-                       sequence / samples + temps, split.head_bytes / samples)
+                       sequence / samples + temps, split.head_bytes / samples,
+                       flops.linear / samples if precision == "fp8" else 0.0)
 
 
 def _sequence_norms(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:

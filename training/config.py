@@ -39,7 +39,9 @@ def _one_of(key: str, value: str, options: tuple[str, ...]) -> None:
 
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 AC_MODES = ("none", "selective", "full")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+WHATIF_PRECISIONS = ("fp8",)
+"""Precisions only a what-if plan of a described cluster predicts: nothing trains in them here."""
 SCHEDULES = ("cosine", "constant")
 SUGGESTION_RULES = ("steepest", "min_div_10")
 LR_SCALING_RULES = ("linear", "sqrt", "none")
@@ -173,8 +175,10 @@ class StrategyConfig:
     split linears are split over the sequence too (their all-reduces become an all-gather and a
     reduce-scatter); the model's plan must name its norms `sequence_parallel`. With tp = 1 a no-op."""
     precision: str = "fp32"
-    """`fp32`, `bf16` (autocast, or FSDP's mixed precision with fp32 reduction), or `fp16` with
-    loss scaling (CUDA only)."""
+    """`fp32`, `bf16` (autocast, or FSDP's mixed precision with fp32 reduction), `fp16` with
+    loss scaling (CUDA only), or `fp8`: bf16 with the linears' matmuls in Float8 (torchao's dynamic
+    scaling, as torchtitan's Float8 runs), a what-if precision for a described cluster with
+    `cluster.fp8_peak_flops` (pipeline=plan): nothing trains in it here."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB."""
     find_unused_parameters: bool = False
@@ -442,6 +446,9 @@ class ClusterConfig:
     """Dense bf16 peak FLOP/s of one device (datasheet)."""
     fp32_peak_flops: float | None = None
     """Dense fp32 (TF32 on tensor cores) peak FLOP/s of one device; null: fp32 is not planned for."""
+    fp8_peak_flops: float | None = None
+    """Dense fp8 peak FLOP/s of one device, what strategy.precision=fp8's Float8 linears run at
+    (the rest of the step at `peak_flops`); null: the device has no fp8 tensor cores."""
     achievable_mfu: float = 0.4
     """Fraction of the peak a well-tuned transformer step reaches (what-if compute time)."""
     intra_node_gbps: float | None = None
@@ -459,6 +466,8 @@ class ClusterConfig:
             raise ConfigError("device_memory_gib", self.device_memory_gib, "must be > 0 GiB, or null for no budget")
         if not 0 < self.achievable_mfu <= 1:
             raise ConfigError("achievable_mfu", self.achievable_mfu, "must be in (0, 1]")
+        if self.fp8_peak_flops is not None and self.fp8_peak_flops <= 0:
+            raise ConfigError("fp8_peak_flops", self.fp8_peak_flops, "must be > 0, or null (no fp8 tensor cores)")
         if not self.measured:
             for key in ("device_memory_gib", "peak_flops", "intra_node_gbps", "intra_node_latency_us",
                         "inter_node_gbps", "inter_node_latency_us"):

@@ -36,8 +36,12 @@ in compute): plan.calibrate only fits runs predicted by the same version."""
 STEP_CHUNK_BYTES = 16 * 1024**2
 """The optimizer steps this many bytes of fp32 parameters at a time (training/optim.py): its
 temporaries (a gradient cast to fp32, the moments' square root) are at most twice that."""
-COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-"""Bytes of a parameter or activation as the step computes with it."""
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
+"""Bytes of a parameter or activation as the step computes with it. fp8 (Float8 linears) holds and
+communicates bf16: torchao casts each linear's weight and input to fp8 inside the matmul, with
+dynamic scales (FSDP's optional fp8 all-gather is not assumed)."""
+BF16_PARAMS = ("bf16", "fp8")
+"""Precisions whose parameters and gradients are bf16, beside the optimizer's fp32 masters."""
 MASTER_BYTES = 4
 """FSDP's sharded parameters, their gradients (reduce_dtype) and a master weight: fp32."""
 MOMENT_BYTES = 8
@@ -201,7 +205,7 @@ def states_per_param(strategy: str, d: ParallelDims, precision: str, reshard: bo
         gathered = c if keeps_gathered(strategy, reshard) else 0.0
         return MASTER_BYTES / n + gathered, MASTER_BYTES / n, MOMENT_BYTES / n
     sharded = d.dp_size * d.cp if strategies.get(strategy).shards_optimizer_only else 1
-    if precision == "bf16":
+    if precision in BF16_PARAMS:
         return c, c, (MASTER_BYTES + MOMENT_BYTES) / sharded
     autocast_copies = c if precision == "fp16" else 0
     return MASTER_BYTES + autocast_copies, MASTER_BYTES, MOMENT_BYTES / sharded
@@ -443,7 +447,7 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
     dtype_bytes = COMPUTE_BYTES[precision]
     # The gradients as reduced: FSDP's reduce_dtype is fp32; DDP reduces the parameters' dtype
     # (bf16 parameters; fp32 ones under fp32 and fp16's autocast), as do zero1's broadcasts.
-    stored = dtype_bytes if precision == "bf16" else MASTER_BYTES
+    stored = dtype_bytes if precision in BF16_PARAMS else MASTER_BYTES
     grads = (MASTER_BYTES if d.uses_fsdp else stored) * psi
     params = dtype_bytes * psi
     n = d.dp_size * d.cp  # context-parallel ranks' gradients are reduced with the data-parallel ones'
@@ -660,7 +664,8 @@ class Workload:
     grad_accum: int
     microbatches: int
     precision: str
-    """`fp32`, `bf16` or `fp16`: what the states and activations are held in (states_per_param)."""
+    """`fp32`, `bf16`, `fp16` or `fp8`: what the states and activations are held in (states_per_param;
+    fp8's in bf16)."""
     checkpointing: str
     """strategy.activation_checkpointing: `none`, `selective` or `full` (what the forward's
     collectives repeat in backward)."""
@@ -934,7 +939,7 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
 def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:
     """One rank's memory at the peak of a step, term by term, as the trainer allocates it."""
     states = state_memory(w.shape, strategy, d, w.precision)
-    masters = w.precision == "bf16" and not d.uses_fsdp  # the optimizer holds fp32 masters beside the moments
+    masters = w.precision in BF16_PARAMS and not d.uses_fsdp  # the optimizer holds fp32 masters beside the moments
     per_updated = MOMENT_BYTES + (MASTER_BYTES if masters else 0)
     buckets = d.dp_replicate_enabled and not d.uses_fsdp  # DDP: gradients are views of its buckets
     # The loss's temporaries: on the stage that computes the loss, per microbatch in flight there.

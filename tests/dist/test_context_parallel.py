@@ -1,7 +1,7 @@
 """Context parallelism on real gloo ranks: each sequence split over the cp ranks (load-balanced
 chunks, K/V all-gathered per layer) trains as one process does, alone and composed with FSDP,
-DDP, TP, PP and activation checkpointing; each rank keeps about 1/cp of the blocks' activations;
-the K/V exchange moves what the cost model is told it moves."""
+DDP, TP, PP (one or two stages a rank) and activation checkpointing; each rank keeps about 1/cp
+of the blocks' activations; the K/V exchange moves what the cost model is told it moves."""
 
 from __future__ import annotations
 
@@ -41,6 +41,23 @@ def test_cp2_on_four_ranks_matches_one_process(degrees):
     assert result.cp == 2
     assert result.dims == [degrees.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "pp")]
     assert result.losses == pytest.approx(reference().losses, **TOL)
+    assert result.ranks_in_sync
+
+
+@pytest.mark.slow
+def test_cp2_with_two_pipeline_stages_per_rank_matches_one_process():
+    """cp=2 x pp=2 interleaved, two stages a rank: each stage's attention gathers K/V over the same
+    CP group, stage after stage, microbatch after microbatch. (The split-backward schedules, zbv and
+    zero_bubble, are refused with CP as with any data parallelism: the CP ranks' gradients are
+    reduced by DDP's or FSDP's hooks, which their weight passes miss.)"""
+    from tests.dist.test_pipeline_schedules import GPT4
+    from tests.dist.test_pipeline_schedules import reference as reference4
+
+    strategy = StrategyConfig(name="hybrid", cp=2, dp_shard=1, pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2,
+                              microbatches=4)
+    result = run(strategy, 4, GPT4)
+    assert (result.cp, result.dims) == (2, [1, 1, 1, 2])
+    assert result.losses == pytest.approx(reference4().losses, **TOL)
     assert result.ranks_in_sync
 
 

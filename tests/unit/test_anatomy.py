@@ -84,3 +84,44 @@ def test_the_memory_audit_counts_the_runs_precision():
         assert by_module["layers.0"] - by_module["pos_embeddings"] == size * 16 * n * d + fp32_stats
         assert by_module["layers.1"] - by_module["layers.0"] == size * 16 * n * d + fp32_stats
     assert max(r.peak_bytes for r in rows["bf16"]) < 0.52 * max(r.peak_bytes for r in rows["fp32"])
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_fp8_counts_every_linears_matmuls_as_float8(checkpointing):
+    """strategy.precision=fp8 moves the linears' matmuls to fp8 tensor cores, nothing else.
+    gpt-tiny at seq 64: its linears (2 blocks of 12 d^2, a d x 256 head) take 2 FLOPs per weight and
+    token forward and 4 backward. Full checkpointing recomputes each block's forward up to the last
+    tensor backward needs (torch's non-reentrant checkpoint stops early): all but the last linear's
+    output (4 d^2 of the block's 12). Attention (causal half, 6 * layers * d * s^2 per sample, a
+    third more when recomputed) stays bf16, and bf16 itself has no Float8 FLOPs."""
+    from training.anatomy import measure_variant
+
+    seq, layers, d = 64, 2, 64
+    cfg = ModelConfig(kwargs=dict(vocab_size=256, seq_len=seq, d_model=d, n_layers=layers, n_heads=4))
+    sample = tuple(t.to("meta") for t in first_samples(markov(4, seq, 256), 1))
+    fp8, bf16 = (measure_variant(cfg, 0, sample, p, checkpointing) for p in ("fp8", "bf16"))
+    full = checkpointing == "full"
+    weights = layers * 12 * d**2 + d * 256
+    assert fp8.float8_flops_per_sample == 6 * weights * seq + full * 2 * layers * (12 - 4) * d**2 * seq
+    assert fp8.executed_flops_per_sample == bf16.executed_flops_per_sample
+    attention = fp8.executed_flops_per_sample - fp8.float8_flops_per_sample
+    assert attention == 6 * layers * d * seq * seq * (4 / 3 if full else 1)
+    assert bf16.float8_flops_per_sample == 0.0
+
+
+def test_an_fp8_plan_runs_its_linears_at_the_fp8_peak_and_the_rest_at_bf16s(compose_cfg):
+    """A what-if plan in fp8 on H100s: a sample's compute is its Float8 FLOPs at the datasheet's fp8
+    peak plus the rest at the bf16 peak, both at the cluster's achievable fraction; MFU divides by
+    the bf16 peak (torchtitan's convention)."""
+    from training.anatomy import measure_variant
+
+    inputs = plan_inputs(compose_cfg, "pipeline=plan", "cluster=h100-80g-ndr", "nodes=1", "strategy=ddp",
+                         "strategy.precision=fp8", "train.micro_batch=1")
+    plan = whatif(inputs)
+    fp8 = next(v for v in plan.variants if (v.precision, v.activation_checkpointing) == ("fp8", "none"))
+    sample = tuple(t.to("meta") for t in first_samples(markov(4, 64, 256), 1))
+    cost = measure_variant(inputs.model, inputs.seed, sample, "fp8", "none")
+    rest = cost.executed_flops_per_sample - cost.float8_flops_per_sample
+    assert fp8.seconds_per_sample == pytest.approx((rest / 989e12 + cost.float8_flops_per_sample / 1978.9e12) / 0.4)
+    assert fp8.peak_flops == 989e12
+    assert plan.requested is not None and plan.requested.precision == "fp8"
