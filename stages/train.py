@@ -176,6 +176,11 @@ class TrainResult:
     or `fp32`; None without MFU or when train.peak_flops sets the peak."""
     cp: int = 1
     """Context-parallel degree: the ranks each sequence was split over."""
+    expert_load: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    """Mixture-of-experts models: each MoE layer's routed slots per expert over the run's steps,
+    all ranks' tokens (training/models/moe.py); empty for a dense model."""
+    expert_imbalance: list[float] = dataclasses.field(default_factory=list)
+    """Per step, the MoE layers' mean of busiest-expert slots over the mean (1.0: balanced)."""
 
     def metrics(self) -> list[tuple[str, float, int]]:
         out = [("train/loss", loss, step) for step, loss in enumerate(self.losses, 1)]
@@ -217,6 +222,11 @@ class TrainResult:
             scalars["comm/ddp_bucket_allreduce_ms_median"] = statistics.median(self.bucket_allreduce_ms)
             out += [("comm/ddp_bucket_allreduce_ms", ms, i) for i, ms in enumerate(self.bucket_allreduce_ms)]
         out += sample_metrics(self.system)
+        if self.expert_imbalance:
+            out += [("moe/imbalance", x, step) for step, x in enumerate(self.expert_imbalance, self.resumed_from + 1)]
+            scalars["moe/imbalance_mean"] = statistics.fmean(self.expert_imbalance)
+        # One chart per layer: the expert's index on the step axis, its slots as the value.
+        out += [(f"moe/load/{layer}", float(n), e) for layer, load in self.expert_load.items() for e, n in enumerate(load)]
         return out + [(k, v, 0) for k, v in scalars.items()]
 
     def measured_step(self) -> MeasuredStep | None:
@@ -298,6 +308,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     from training.flops import peak_column, peak_flops
     from training.loop import lr_lambda, train_loop
     from training.models import tokens_per_sample
+    from training.models.moe import ExpertLoads, merge_counts, step_imbalance
     from training.parallel.compose import build_optimizer, parallelize
 
     t = cfg.train
@@ -323,6 +334,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     # Profile between the memory-probed first step and the timed window, so neither is disturbed.
     count = min(t.profile_steps, t.timing_warmup - 1, t.steps - first - 1)
     profiler = StepProfiler(first + 1, count, bench.dev) if count > 0 else None
+    loads = ExpertLoads(parallel.model, optimizer)
     sampling = t.system_metrics_s > 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0
     sampler = SystemSampler(t.system_metrics_s, node_id()) if sampling else contextlib.nullcontext()
     with sampler:
@@ -356,6 +368,8 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     held_peak = max(peaks) if peaks else memory.peak_bytes
     digests = gather_objects((stage, parameter_digest(parallel.model)))
     system = [x for node in gather_objects(sampler.samples if sampling else []) for x in node]
+    # Tensor-parallel ranks route the same tokens: one of them speaks for its group.
+    routed = merge_counts(gather_objects(loads.counts() if dims.coordinates(rank())["tp"] == 0 else {}))
     return TrainResult(
         strategy=strategy.name,
         strategy_from_plan=chosen is not None,
@@ -398,4 +412,6 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
                                     held_peak),
         system=system,
         ranks_in_sync=all(len({d for s, d in digests if s == k}) == 1 for k in {s for s, _ in digests}),
+        expert_load={layer: [sum(e) for e in zip(*steps, strict=True)] for layer, steps in routed.items()},
+        expert_imbalance=step_imbalance(routed),
     )

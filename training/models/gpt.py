@@ -9,9 +9,13 @@ and its forward skips whatever a stage removed (torchtitan's layout).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from training.models.moe import GroupedExperts, MoE
 
 
 class Attention(nn.Module):
@@ -45,13 +49,26 @@ class FeedForward(nn.Module):
         return self.w2(F.gelu(self.w1(x)))
 
 
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts feed-forward in every block (training/models/moe.py)."""
+
+    n_experts: int
+    top_k: int = 2
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.01
+
+    def build(self, d_model: int, hidden: int) -> MoE:
+        return MoE(d_model, hidden, self.n_experts, self.top_k, self.capacity_factor, self.aux_loss_coef)
+
+
 class Block(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, dropout: float = 0.0):
+    def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, dropout: float = 0.0, experts: Experts | None = None):
         super().__init__()
         self.attention_norm = nn.LayerNorm(d_model)
         self.attention = Attention(d_model, n_heads)
         self.ffn_norm = nn.LayerNorm(d_model)
-        self.feed_forward = FeedForward(d_model, ffn_hidden)
+        self.feed_forward = FeedForward(d_model, ffn_hidden) if experts is None else experts.build(d_model, ffn_hidden)
         # Megatron's hidden dropout after each sublayer (off by default: ranks draw different
         # masks, so a run with it is not bitwise one process's).
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
@@ -67,6 +84,9 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if getattr(module, "bias", None) is not None:
             nn.init.zeros_(module.bias)
+    if isinstance(module, GroupedExperts):
+        for weight in (module.w1, module.w2):
+            nn.init.normal_(weight, mean=0.0, std=0.02)
 
 
 class GPT(nn.Module):
@@ -88,11 +108,13 @@ class GPT(nn.Module):
     }
 
     def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int, ffn_mult: int,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, experts: Experts | None = None):
         super().__init__()
+        if experts is not None:  # the experts are not split by TP: only attention's linears and the norms are
+            self._tp_plan = {k: v for k, v in self._tp_plan.items() if ".feed_forward." not in k}
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(vocab_size, d_model)
         self.pos_embeddings: nn.Embedding | None = nn.Embedding(seq_len, d_model)
-        self.layers = nn.ModuleDict({str(i): Block(d_model, n_heads, ffn_mult * d_model, dropout)
+        self.layers = nn.ModuleDict({str(i): Block(d_model, n_heads, ffn_mult * d_model, dropout, experts)
                                      for i in range(n_layers)})
         self.norm: nn.LayerNorm | None = nn.LayerNorm(d_model)
         self.output: nn.Linear | None = nn.Linear(d_model, vocab_size, bias=False)
@@ -113,8 +135,12 @@ class GPT(nn.Module):
 
 
 def build(vocab_size: int = 256, seq_len: int = 64, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
-          ffn_mult: int = 4, dropout: float = 0.0) -> GPT:
-    """The factory `model=gpt-*` names (`_target_: training.models.gpt.build`)."""
+          ffn_mult: int = 4, dropout: float = 0.0, n_experts: int = 0, top_k: int = 2,
+          capacity_factor: float | None = None, aux_loss_coef: float = 0.01) -> GPT:
+    """The factory `model=gpt-*` names (`_target_: training.models.gpt.build`). `n_experts` > 0 makes
+    every block's feed-forward a mixture of that many experts of `ffn_mult` x `d_model` hidden units,
+    `top_k` of them per token (`model=gpt-moe-*`)."""
     if d_model % n_heads:
         raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
-    return GPT(vocab_size, seq_len, d_model, n_layers, n_heads, ffn_mult, dropout)
+    experts = Experts(n_experts, top_k, capacity_factor, aux_loss_coef) if n_experts else None
+    return GPT(vocab_size, seq_len, d_model, n_layers, n_heads, ffn_mult, dropout, experts)

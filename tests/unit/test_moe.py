@@ -1,0 +1,127 @@
+"""The mixture-of-experts layer (training/models/moe.py) against hand computations: top-k routing
+token by token, the capacity factor's dropping, the load-balancing loss in the gradient and not in
+the output, and FLOPs on the meta device by active parameters (no processes)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from training.anatomy import FlopCount
+from training.models.gpt import build
+from training.models.moe import MoE, load_imbalance
+
+D, HIDDEN, E = 8, 16, 4
+
+
+def layer(top_k: int = 2, capacity_factor: float | None = None, aux_loss_coef: float = 0.0) -> MoE:
+    torch.manual_seed(0)
+    moe = MoE(D, HIDDEN, E, top_k, capacity_factor, aux_loss_coef)
+    for w in (moe.experts.w1, moe.experts.w2):
+        torch.nn.init.normal_(w, std=0.5)
+    return moe
+
+
+def by_hand(moe: MoE, x: torch.Tensor, dropped: set[tuple[int, int]] = frozenset()) -> torch.Tensor:
+    """Token by token: the top-k experts by router probability, weighted by those probabilities over
+    their sum; (token, expert) pairs in `dropped` contribute nothing."""
+    tokens = x.reshape(-1, D)
+    out = torch.zeros_like(tokens)
+    for i, t in enumerate(tokens):
+        probs = F.softmax(moe.router(t), dim=-1)
+        weights, chosen = probs.topk(moe.top_k)
+        for w, e in zip(weights / weights.sum(), chosen.tolist(), strict=True):
+            if (i, e) not in dropped:
+                out[i] += w * (F.gelu(t @ moe.experts.w1[e]) @ moe.experts.w2[e])
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_each_token_is_the_weighted_sum_of_its_top_k_experts(top_k):
+    moe = layer(top_k)
+    x = torch.randn(2, 5, D)
+    assert torch.allclose(moe(x), by_hand(moe, x), atol=1e-6)
+    assert int(moe.tokens_per_expert.sum()) == 10 * top_k
+
+
+def test_routing_is_deterministic_given_the_weights():
+    moe, x = layer(), torch.randn(3, 7, D)
+    first, load = moe(x), moe.tokens_per_expert.clone()
+    assert torch.equal(moe(x), first) and torch.equal(moe.tokens_per_expert, load)
+
+
+def test_a_capacity_factor_drops_each_experts_latest_slots():
+    """Capacity ceil(0.5 x 12 tokens x 2 / 4) = 3 slots an expert: an expert routed more keeps its
+    first three tokens; the later ones lose that expert (not their other one)."""
+    moe, x = layer(capacity_factor=0.5), torch.randn(1, 12, D)
+    chosen = F.softmax(moe.router(x.reshape(-1, D)), dim=-1).topk(2).indices
+    capacity = math.ceil(0.5 * 12 * 2 / E)
+    seen: dict[int, int] = {}
+    dropped = set()
+    for i, pair in enumerate(chosen.tolist()):
+        for e in pair:
+            seen[e] = seen.get(e, 0) + 1
+            if seen[e] > capacity:
+                dropped.add((i, e))
+    assert dropped, "the seed routes more than the capacity to some expert"
+    assert torch.allclose(moe(x), by_hand(moe, x, dropped), atol=1e-6)
+    assert moe.tokens_per_expert.tolist() == [min(seen.get(e, 0), capacity) for e in range(E)]
+
+
+def test_the_balance_loss_is_one_when_balanced_and_reaches_only_the_gradient():
+    """Switch's E x sum f_e P_e: 1 for uniform probabilities over evenly chosen experts. The layer's
+    output is the same with and without it; the router's gradient differs by its gradient."""
+    moe = layer()
+    uniform = torch.full((8, E), 1 / E)
+    chosen = torch.tensor([[0, 1], [2, 3]] * 4)
+    assert moe.balance_loss(uniform, chosen).item() == pytest.approx(1.0)
+
+    x = torch.randn(2, 6, D)
+    grads = {}
+    for coef in (0.0, 0.5):
+        moe = layer(aux_loss_coef=coef)
+        moe.train()
+        y = moe(x)
+        grads[coef] = (y.detach(), *torch.autograd.grad(y.sum(), [moe.router.weight]))
+    assert torch.equal(grads[0.0][0], grads[0.5][0]), "the logged output does not carry the loss"
+    moe = layer(aux_loss_coef=0.5)
+    probs = F.softmax(moe.router(x.reshape(-1, D)), dim=-1)
+    (aux_grad,) = torch.autograd.grad(0.5 * moe.balance_loss(probs, probs.topk(2).indices), [moe.router.weight])
+    assert torch.allclose(grads[0.5][1] - grads[0.0][1], aux_grad, atol=1e-6)
+
+
+def test_load_imbalance_is_the_busiest_expert_over_the_mean():
+    assert load_imbalance(torch.tensor([4, 4, 4, 4])) == 1.0
+    assert load_imbalance(torch.tensor([10, 2, 2, 2])) == 2.5
+
+
+def test_flops_on_meta_count_the_active_parameters():
+    """gpt-moe-tiny's shape at seq 64, 4 experts, top 2, counted on the meta device (no router values:
+    the slots spread evenly). Per token and layer: attention's 4 d^2, the router's d x E and two
+    experts of 8 d^2 each; the head d x V; 6 FLOPs a weight and token forward and backward, plus
+    causal attention's 6 d s per token and layer: the dense model's count with 2 experts' weights."""
+    seq, layers, d, vocab = 64, 2, 64, 256
+    with torch.device("meta"):
+        model = build(vocab, seq, d, layers, 4, 4, n_experts=E, top_k=2)
+        tokens = torch.zeros(1, seq, dtype=torch.long)
+    with FlopCount() as flops:
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    active = layers * (4 * d * d + d * E + 2 * 8 * d * d) + d * vocab
+    assert flops.total == 6 * active * seq + 6 * layers * d * seq * seq
+    assert flops.linear == 6 * active * seq
+
+
+def test_the_load_counts_each_forward_once_not_checkpointings_recomputation():
+    """Two forwards (two micro-batches) add up; a checkpointed forward recomputed in backward does not
+    count again; take_load() resets."""
+    from torch.utils.checkpoint import checkpoint
+
+    moe, x = layer(), torch.randn(2, 5, D, requires_grad=True)
+    moe(x)
+    first = moe.tokens_per_expert.clone()
+    checkpoint(moe, x, use_reentrant=False).sum().backward()
+    assert torch.equal(moe.take_load(), 2 * first), "2 forwards of 10 tokens x 2 slots"
+    assert int(moe.take_load().sum()) == 0

@@ -1,0 +1,206 @@
+"""A mixture-of-experts feed-forward layer (top-k routing, a load-balancing loss, an optional
+capacity factor): what the built-in GPT uses in place of its feed-forward when `n_experts` > 0.
+
+Routing, as Mixtral and Qwen3-MoE route: a linear router scores every expert per token, the
+top-k experts by softmax probability take the token, weighted by those probabilities
+renormalised over the k. The tokens are then grouped by expert (a stable sort: ties keep token
+order, so routing is deterministic given the weights) and each expert runs on its group,
+Megatron-Core's and torchtitan's grouped layout: the experts' weights are stacked in two
+parameters, `w1` (E x d x h) and `w2` (E x h x d), the shape expert parallelism shards along E.
+
+Load balancing: Switch Transformer's auxiliary loss, E x sum_e f_e x P_e (f_e the share of the
+routed slots expert e takes, P_e its mean router probability), 1 when balanced. It joins the
+gradient without changing the logged loss (DeepSeek's `AddAuxiliaryLoss`): the layer's output
+carries it, scaled by `aux_loss_coef`, into backward.
+
+Capacity factor: null keeps every token (no dropping). A number c caps each expert at
+ceil(c x tokens x k / E) slots; the slots over it, latest tokens first, are dropped (the token
+keeps its other experts and the residual), as GShard and Switch do.
+
+On the meta device (the plan's counting) there are no router values: the slots are taken as
+spread evenly over the experts, so FLOPs count the active parameters, top-k experts a token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class AddAuxiliaryLoss(torch.autograd.Function):
+    """Returns `x` unchanged; backward also sends a gradient of 1 into `aux` (already scaled), so the
+    auxiliary loss is minimised with the model's loss without entering the loss the trainer logs."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_dtype, ctx.aux_device = aux.dtype, aux.device
+        return x
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones((), dtype=ctx.aux_dtype, device=ctx.aux_device)
+
+
+class GroupedExperts(nn.Module):
+    """E feed-forward experts (d -> h -> d, GELU) as two stacked weights; runs each expert on its
+    contiguous group of tokens."""
+
+    def __init__(self, n_experts: int, d_model: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, d_model))
+
+    @property
+    def n_experts(self) -> int:
+        return self.w1.shape[0]
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """`x`: tokens grouped by expert, `counts[e]` of them for this module's expert e, in order."""
+        out = [F.gelu(chunk @ self.w1[e]) @ self.w2[e] for e, chunk in enumerate(x.split(counts)) if counts[e]]
+        return torch.cat(out) if out else x.new_zeros(0, self.w2.shape[-1])
+
+
+class MoE(nn.Module):
+    def __init__(self, d_model: int, hidden: int, n_experts: int, top_k: int, capacity_factor: float | None = None,
+                 aux_loss_coef: float = 0.01):
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be > 0, or null (no token dropping)")
+        self.top_k, self.capacity_factor, self.aux_loss_coef = top_k, capacity_factor, aux_loss_coef
+        self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.experts = GroupedExperts(n_experts, d_model, hidden)
+        self.tokens_per_expert: torch.Tensor | None = None
+        """The last forward's routed slots per expert (after dropping)."""
+        self.load: torch.Tensor | None = None
+        """Routed slots per expert summed over the forwards since take_load() (micro-batches,
+        pipeline microbatches; not checkpointing's recomputation in backward), on the device."""
+
+    @property
+    def n_experts(self) -> int:
+        return self.router.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.router(tokens), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        order = self._kept_slots_by_expert(chosen.reshape(-1))
+        token_of = torch.div(order, self.top_k, rounding_mode="floor")
+        counts = self._counts(chosen.reshape(-1)[order], x)
+        routed = self.dispatch(tokens[token_of], counts)
+        slot_weight = weights.reshape(-1)[order].unsqueeze(-1)
+        y = torch.zeros_like(tokens).index_add(0, token_of, routed * slot_weight).reshape(shape)
+        if self.training and self.aux_loss_coef and not x.is_meta:
+            y = AddAuxiliaryLoss.apply(y, self.aux_loss_coef * self.balance_loss(probs, chosen))
+        return y
+
+    def dispatch(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The experts run on the tokens grouped by expert; expert parallelism replaces this with an
+        all-to-all to the ranks that hold each group's expert and back."""
+        return self.experts(x, counts)
+
+    def balance_loss(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Switch Transformer's E x sum_e f_e x P_e over this forward's tokens (1 when balanced)."""
+        e = self.n_experts
+        share = torch.bincount(chosen.reshape(-1), minlength=e).to(probs.dtype) / chosen.numel()
+        return e * (share * probs.mean(dim=0)).sum()
+
+    def _kept_slots_by_expert(self, slot_expert: torch.Tensor) -> torch.Tensor:
+        """The routed slots (token-major: token i's k slots are i*k ... i*k+k-1) the capacity keeps,
+        grouped by expert, in token order within each expert's group."""
+        slots = torch.arange(slot_expert.numel(), device=slot_expert.device)
+        if self.capacity_factor is not None and not slot_expert.is_meta:
+            capacity = math.ceil(self.capacity_factor * slot_expert.numel() / self.n_experts)
+            one_hot = F.one_hot(slot_expert, self.n_experts)
+            place = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1)  # 1-based place in its expert's queue
+            slots = slots[place <= capacity]
+        return slots[slot_expert[slots].argsort(stable=True)]
+
+    def _counts(self, slot_expert: torch.Tensor, x: torch.Tensor) -> list[int]:
+        """Kept slots per expert, in expert order; on the meta device (no router values) spread evenly."""
+        e = self.n_experts
+        if x.is_meta:
+            share, rest = divmod(slot_expert.numel(), e)
+            counts = [share + (i < rest) for i in range(e)]
+            self.tokens_per_expert = None
+            return counts
+        per_expert = torch.bincount(slot_expert, minlength=e)
+        self.tokens_per_expert = per_expert.detach()
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
+            self.load = self.tokens_per_expert if self.load is None else self.load + self.tokens_per_expert
+        return per_expert.tolist()
+
+    def take_load(self) -> torch.Tensor:
+        """The slots per expert since the last call (zeros if no forward ran), and reset."""
+        load = self.load if self.load is not None else torch.zeros(self.n_experts, dtype=torch.long,
+                                                                   device=self.router.weight.device)
+        self.load = None
+        return load
+
+
+def load_imbalance(tokens_per_expert: torch.Tensor | list[int]) -> float:
+    """The most loaded expert's slots over the mean (1.0: balanced): what bounds an expert-parallel
+    step, which waits for its busiest expert."""
+    load = torch.as_tensor(tokens_per_expert, dtype=torch.float64)
+    return float(load.max() / load.mean()) if load.sum() > 0 else 1.0
+
+
+WRAPPERS = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+"""Prefixes DDP, torch.compile and checkpointing add to module names: stripped, so every rank and
+layout names a layer as the model does."""
+
+
+def layer_name(name: str) -> str:
+    for wrapper in WRAPPERS:
+        name = name.replace(wrapper, "")
+    return name
+
+
+class ExpertLoads:
+    """Each MoE layer's routed slots per expert, step by step, on this rank: collected after every
+    optimizer step (a step post-hook, so the loop is untouched) and kept on the device until
+    `counts()` reads them once, at the end of the run."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.layers = {layer_name(n): m for n, m in model.named_modules() if isinstance(m, MoE)}
+        self.steps: list[torch.Tensor] = []
+        if self.layers:
+            optimizer.register_step_post_hook(self._after_step)
+
+    def _after_step(self, *_: object) -> None:
+        self.steps.append(torch.stack([m.take_load() for m in self.layers.values()]))
+
+    def counts(self) -> dict[str, list[list[int]]]:
+        """Layer name -> per step, the slots each expert took on this rank (a host sync)."""
+        if not self.steps:
+            return {}
+        per_step = torch.stack(self.steps).cpu()  # steps x layers x experts
+        return {name: per_step[:, i].tolist() for i, name in enumerate(self.layers)}
+
+
+def merge_counts(per_rank: list[dict[str, list[list[int]]]]) -> dict[str, list[list[int]]]:
+    """The ranks' counts summed by layer (ranks that saw different tokens: pass one rank per group
+    of ranks that routed the same tokens, e.g. tensor-parallel rank 0)."""
+    merged: dict[str, list[list[int]]] = {}
+    for counts in per_rank:
+        for name, steps in counts.items():
+            if name not in merged:
+                merged[name] = [list(s) for s in steps]
+            else:
+                merged[name] = [[a + b for a, b in zip(x, y, strict=True)] for x, y in zip(merged[name], steps, strict=True)]
+    return merged
+
+
+def step_imbalance(counts: dict[str, list[list[int]]]) -> list[float]:
+    """Per step, the layers' mean of busiest-expert-over-mean: each layer's experts wait for its
+    busiest one."""
+    if not counts:
+        return []
+    layers = list(counts.values())
+    return [sum(load_imbalance(layer[step]) for layer in layers) / len(layers) for step in range(len(layers[0]))]
