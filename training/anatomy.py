@@ -31,9 +31,10 @@ from training.models.spec import ContractError, ModelSpec, model_spec, tp_diviso
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 """The dtype a precision holds parameters in (fp8: bf16, each linear cast to Float8 inside its matmul)."""
-LINEAR_OPS = (torch.ops.aten.mm, torch.ops.aten.addmm)
-"""What nn.Linear runs forward and backward (a 3-D input is folded to 2-D): the matmuls Float8
-linears move to fp8 tensor cores (strategy.precision=fp8)."""
+LINEAR_OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+"""What nn.Linear runs forward and backward (a 3-D input is folded to 2-D), and batched experts:
+the matmuls Float8 linears move to fp8 tensor cores (strategy.precision=fp8). Attention's products
+are SDPA's own ops, not these."""
 
 
 def count_params(module: nn.Module) -> int:
@@ -273,11 +274,13 @@ def build_on_meta(cfg: ModelConfig, seed: int, precision: str = "fp32",
     """The model at its real shape on the meta device (nothing allocated), in `precision` as the
     trainer runs it (low-precision parameters, floating inputs cast at its entry:
     training/parallel/precision.py) and with `checkpointing`."""
+    from training.models.hf import count_experts_as_routed
     from training.parallel.ac import apply_ac
     from training.parallel.precision import apply_low_precision
 
     with torch.device("meta"):
         model = build_model(cfg, seed)
+    count_experts_as_routed(model)  # a Hugging Face MoE's experts, countable on the meta device
     if DTYPES[precision] is not None:
         apply_low_precision(model, DTYPES[precision])
     spec = model_spec(model, cfg)

@@ -1,6 +1,7 @@
 """Hugging Face models through the strategies, split by their own declarations: the presets
 model=hf-llama and model=hf-qwen2 (composed from conf/), ddp, zero3, tp and pp (its
-base_model_pp_plan) at world 2 against one process, step for step."""
+base_model_pp_plan) at world 2 against one process, step for step; the mixtures of experts
+hf-mixtral and hf-qwen3-moe under ddp, zero3 and pp."""
 
 from __future__ import annotations
 
@@ -40,6 +41,18 @@ def test_a_hugging_face_model_at_world_2_matches_one_process(compose_cfg, preset
     if strategy == "tp":
         # Its own plan split q/k/v/o and the MLP: each rank holds half of those weights.
         assert two.param_bytes < 0.8 * one.param_bytes
+
+
+@pytest.mark.parametrize("preset", ["hf-mixtral", "hf-qwen3-moe"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "pp"])
+def test_a_hugging_face_mixture_of_experts_at_world_2_matches_one_process(compose_cfg, preset, strategy):
+    """Mixtral's and Qwen3-MoE's own layers (their experts run through transformers' grouped
+    implementation), replicated, sharded or split by their base_model_pp_plan like any weight."""
+    one = run(compose_cfg, preset, "ddp", 1)
+    two = run(compose_cfg, preset, strategy, 2)
+    assert two.world_size == 2 and two.ranks_in_sync
+    assert two.losses == pytest.approx(one.losses, **TOL)
+    assert one.losses[-1] < one.losses[0]
 
 
 def pretrained_llama(compose_cfg, directory) -> tuple[object, float]:

@@ -125,3 +125,50 @@ def test_the_load_counts_each_forward_once_not_checkpointings_recomputation():
     checkpoint(moe, x, use_reentrant=False).sum().backward()
     assert torch.equal(moe.take_load(), 2 * first), "2 forwards of 10 tokens x 2 slots"
     assert int(moe.take_load().sum()) == 0
+
+
+@pytest.mark.parametrize("preset", ["hf-mixtral", "hf-qwen3-moe"])
+def test_a_hugging_face_moe_counts_its_active_parameters_on_meta(compose_cfg, preset):
+    """The plan's count of Mixtral's and Qwen3-MoE's presets at seq 16: per token and layer q, k, v,
+    o (k and v at the key-value heads' width), the router's d x E and top-k SwiGLU experts of 3 d I
+    each; the head d x V; causal attention's 6 d s per token and layer (q/k norms are not matmuls)."""
+    from training.anatomy import build_on_meta
+
+    cfg = compose_cfg(f"model={preset}", "tracking=none").model
+    c = cfg.kwargs
+    d, vocab, layers, seq = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"], 16
+    heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+    head_dim = d // heads
+    experts, k = c["num_local_experts"], c["num_experts_per_tok"]
+    expert = 3 * d * c.get("moe_intermediate_size", c["intermediate_size"])
+    model, _ = build_on_meta(cfg, 0)
+    tokens = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    with FlopCount() as flops:
+        model(tokens).logits.float().sum().backward()
+    attention = 2 * d * heads * head_dim + 2 * d * kv * head_dim
+    active = layers * (attention + d * experts + k * expert) + d * vocab
+    assert flops.total == 6 * active * seq + 6 * layers * heads * head_dim * seq * seq
+    assert flops.linear == 6 * active * seq
+
+
+def test_the_counting_experts_forward_computes_what_transformers_does():
+    """routed_experts_forward (what the plan counts with) against transformers' own experts forward,
+    on real values: the same output and the same gradients."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from training.models.hf import count_experts_as_routed
+
+    config = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    theirs = MixtralForCausalLM(MixtralConfig(**config))
+    ours = MixtralForCausalLM(MixtralConfig(**config))
+    ours.load_state_dict(theirs.state_dict())
+    count_experts_as_routed(ours)
+    tokens = torch.randint(0, 64, (2, 8))
+    a, b = theirs(tokens).logits, ours(tokens).logits
+    assert torch.allclose(a, b, atol=1e-5)
+    a.sum().backward()
+    b.sum().backward()
+    for (name, p), q in zip(theirs.named_parameters(), ours.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5), name
