@@ -20,7 +20,7 @@ from pipelines.schema import Config
 from training.config import WHATIF_PRECISIONS, ConfigError
 from training.contract import ContractFacts
 from training.files import write_atomic
-from training.parallel.dims import ParallelDims
+from training.parallel.dims import ParallelDims, expert_parallel_problem
 from training.parallel.schedules import checkpointing_problem, data_parallel_problem, microbatches_problem
 
 if TYPE_CHECKING:
@@ -280,6 +280,12 @@ def _check_strategy(cfg: Config, dims: ParallelDims, facts: ContractFacts) -> No
         raise ConfigError("strategy.sequence_parallel", True, facts.sp_problem)
     if dims.cp > 1:
         _check_cp(cfg, dims.cp, facts)
+    problem = expert_parallel_problem(dims, s.ep, s.shards_optimizer_only, facts.experts)
+    if problem is not None:
+        raise ConfigError("strategy.ep", s.ep, problem)
+    if s.ep > 1 and cfg.train.ckpt_every:
+        raise ConfigError("train.ckpt_every", cfg.train.ckpt_every, "checkpoints of experts split over ranks "
+                          "(strategy.ep > 1) are not built yet: use 0")
 
 
 def _check_cp(cfg: Config, cp: int, facts: ContractFacts) -> None:

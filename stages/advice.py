@@ -129,7 +129,9 @@ def advise(cfg: AdviceInputs, anatomy: Anatomy, costs: list[VariantCost], hw: Ha
     searched = search(space, anatomy.shape, hw, anatomy.tokens_per_sample, anatomy.flops_per_sample,
                       memory_limit, overlap, calibration, command_prefix(cfg))
     requested = None
-    if cfg.strategy.name != "auto":
+    # Expert parallelism has no terms in the cost model yet: no prediction is made for it (the plan
+    # says so) rather than one for a layout other than the trainer's.
+    if cfg.strategy.name != "auto" and cfg.strategy.ep == 1:
         micro = cfg.train.micro_batch_for(resolve_dims(cfg.strategy, world).dp_size)
         requested = own_candidate(cfg, anatomy, variants, hw, memory_limit, overlap, calibration, micro, space)
     return searched, requested, variants

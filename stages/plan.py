@@ -574,6 +574,9 @@ def advise_plan(cfg: PlanInputs, anatomy: Anatomy, costs: list, hw: Hardware, w:
         reasons.append(f"requested: {requested.strategy} predicted {requested.tokens_per_s:.0f} tokens/s, "
                        f"{requested.tokens_per_s / best.tokens_per_s:.2f}x the recommendation"
                        + ("" if requested.fits else ", and it does not fit"))
+    if cfg.strategy.ep > 1:
+        reasons.append(f"requested: strategy.ep={cfg.strategy.ep} is not predicted: the cost model has no "
+                       "expert-parallel terms yet (all-to-all, experts' states per rank)")
     recommended = best or (searched.ranked[0] if searched.ranked else None)
     fields = {"recommended": recommended, "requested": requested, "candidates": searched.ranked[:10],
               "layouts": searched.best_per_layout(10),

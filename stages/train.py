@@ -176,11 +176,17 @@ class TrainResult:
     or `fp32`; None without MFU or when train.peak_flops sets the peak."""
     cp: int = 1
     """Context-parallel degree: the ranks each sequence was split over."""
+    ep: int = 1
+    """Expert-parallel degree: the ranks each MoE layer's experts were split over."""
     expert_load: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     """Mixture-of-experts models: each MoE layer's routed slots per expert over the run's steps,
     all ranks' tokens (training/models/moe.py); empty for a dense model."""
     expert_imbalance: list[float] = dataclasses.field(default_factory=list)
-    """Per step, the MoE layers' mean of busiest-expert slots over the mean (1.0: balanced)."""
+    """Per step from `expert_first_step`, the MoE layers' mean of busiest-expert slots over the mean
+    (1.0: balanced)."""
+    expert_first_step: int = 1
+    """The first step the expert loads count: 2 under a pipeline, whose first step also runs torch's
+    shape inference through the experts; later for a resumed run."""
 
     def metrics(self) -> list[tuple[str, float, int]]:
         out = [("train/loss", loss, step) for step, loss in enumerate(self.losses, 1)]
@@ -223,7 +229,7 @@ class TrainResult:
             out += [("comm/ddp_bucket_allreduce_ms", ms, i) for i, ms in enumerate(self.bucket_allreduce_ms)]
         out += sample_metrics(self.system)
         if self.expert_imbalance:
-            out += [("moe/imbalance", x, step) for step, x in enumerate(self.expert_imbalance, self.resumed_from + 1)]
+            out += [("moe/imbalance", x, step) for step, x in enumerate(self.expert_imbalance, self.expert_first_step)]
             scalars["moe/imbalance_mean"] = statistics.fmean(self.expert_imbalance)
         # One chart per layer: the expert's index on the step axis, its slots as the value.
         out += [(f"moe/load/{layer}", float(n), e) for layer, load in self.expert_load.items() for e, n in enumerate(load)]
@@ -334,7 +340,8 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     # Profile between the memory-probed first step and the timed window, so neither is disturbed.
     count = min(t.profile_steps, t.timing_warmup - 1, t.steps - first - 1)
     profiler = StepProfiler(first + 1, count, bench.dev) if count > 0 else None
-    loads = ExpertLoads(parallel.model, optimizer)
+    skipped = 1 if dims.pp > 1 else 0  # a pipeline's first step (of each invocation) infers shapes too
+    loads = ExpertLoads(parallel.model, optimizer, skipped)
     sampling = t.system_metrics_s > 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0
     sampler = SystemSampler(t.system_metrics_s, node_id()) if sampling else contextlib.nullcontext()
     with sampler:
@@ -366,7 +373,9 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     # budget's tracker, CUDA's allocator), else against the step's counted tensors.
     peaks = [p for p in gather_objects(stage_peak_bytes()) if p is not None]
     held_peak = max(peaks) if peaks else memory.peak_bytes
-    digests = gather_objects((stage, parameter_digest(parallel.model)))
+    # Ranks that should hold the same parameters: the same pipeline stage, and the same experts.
+    holds = (stage, parallel.experts.ep_rank if parallel.experts is not None else 0)
+    digests = gather_objects((holds, parameter_digest(parallel.model)))
     system = [x for node in gather_objects(sampler.samples if sampling else []) for x in node]
     # Tensor-parallel ranks route the same tokens: one of them speaks for its group.
     routed = merge_counts(gather_objects(loads.counts() if dims.coordinates(rank())["tp"] == 0 else {}))
@@ -375,6 +384,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
         strategy_from_plan=chosen is not None,
         dims=[dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp],
         cp=dims.cp,
+        ep=strategy.ep,
         precision=strategy.precision,
         activation_checkpointing=strategy.activation_checkpointing,
         world_size=world,
@@ -414,4 +424,5 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
         ranks_in_sync=all(len({d for s, d in digests if s == k}) == 1 for k in {s for s, _ in digests}),
         expert_load={layer: [sum(e) for e in zip(*steps, strict=True)] for layer, steps in routed.items()},
         expert_imbalance=step_imbalance(routed),
+        expert_first_step=first + skipped + 1,
     )

@@ -156,6 +156,10 @@ class StrategyConfig:
     """Context-parallel degree: each sequence split over this many ranks (load-balanced for causal
     attention, K/V all-gathered per layer; training/parallel/cp.py); null takes the preset (1);
     -1 means the leftover ranks. The sequence length must be a multiple of 2 x cp."""
+    ep: int = 1
+    """Expert-parallel degree: each mixture-of-experts layer's experts split over this many
+    data-parallel ranks, tokens sent to them by all-to-all (training/parallel/ep.py); must divide
+    the data-parallel size and the experts. 1: experts are weights like any other."""
     microbatches: int = 2
     """Pipeline microbatches per micro-batch (pp > 1); must divide the micro-batch."""
     pp_schedule: str = "gpipe"
@@ -192,6 +196,7 @@ class StrategyConfig:
             value = getattr(self, key)
             if value is not None and (value == 0 or value < -1):
                 raise ConfigError(key, value, "must be >= 1, -1 (the leftover ranks) or null (the preset)")
+        _at_least("ep", self.ep, 1)
         _at_least("microbatches", self.microbatches, 1)
         _one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _at_least("pp_virtual_stages", self.pp_virtual_stages, 1)

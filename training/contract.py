@@ -53,6 +53,9 @@ class ContractFacts:
     context parallelism can split (0: none it can)."""
     takes_position_ids: bool = False
     """The model's forward accepts `position_ids=` (what context parallelism passes)."""
+    experts: list[int] = dataclasses.field(default_factory=list)
+    """Experts of each mixture-of-experts layer expert parallelism can split (training/models/moe.py);
+    empty: none."""
 
 
 def _one_line(err: BaseException) -> str:
@@ -110,7 +113,11 @@ def describe(model_cfg: ModelConfig, data_cfg: DataConfig, seed: int) -> Contrac
     with count_attention_calls() as attention:
         _check_forward(model, model_cfg, data_cfg, batch)
     facts = _declarations(model, model_cfg, data_cfg, dataset, batch, params, checked_on)
-    return dataclasses.replace(facts, attention_calls=attention.calls, takes_position_ids=takes_position_ids(model))
+    from training.models.moe import MoE
+
+    experts = [m.n_experts for m in model.modules() if isinstance(m, MoE)]
+    return dataclasses.replace(facts, attention_calls=attention.calls, takes_position_ids=takes_position_ids(model),
+                               experts=experts)
 
 
 def _dataset(cfg: DataConfig) -> Any:

@@ -135,8 +135,14 @@ def init_process_group(backend: str, timeout_s: float, index: int | None, store:
     can be split from it."""
     import torch
     import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
 
-    kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # Every group made later (a DeviceMesh's dimensions, their flattenings, expert groups) takes
+    # torch's default timeout, 30 min on gloo and 10 on nccl, not the default group's: a rank hung
+    # in a TP or FSDP collective would hang its peers that long. torch reads these at each new_group.
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
     if backend == "nccl" and index is not None:
         kwargs["device_id"] = torch.device("cuda", index)
     if store is not None:

@@ -37,6 +37,15 @@ def hang_rank1(_inputs: object) -> None:
     dist.all_reduce(t)
 
 
+def hang_rank1_in_a_subgroup(_inputs: object) -> None:
+    """As hang_rank1, in a group made after the default one (as a DeviceMesh makes its dimensions')."""
+    group = dist.new_group([0, 1])
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+
+
 def train_ddp(inputs: object) -> object:
     """The real train stage, with the two upstream results it reads stubbed by plain values."""
     import tempfile

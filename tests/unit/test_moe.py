@@ -172,3 +172,17 @@ def test_the_counting_experts_forward_computes_what_transformers_does():
     b.sum().backward()
     for (name, p), q in zip(theirs.named_parameters(), ours.parameters(), strict=True):
         assert torch.allclose(p.grad, q.grad, atol=1e-5), name
+
+
+def test_experts_that_get_no_token_stay_in_the_graph():
+    """A rank whose experts receive nothing (expert parallelism after routing collapsed) must still
+    run the all-to-all's backward its peers wait in: the output depends on the input and every
+    expert, with zero gradients."""
+    from training.models.moe import GroupedExperts
+
+    experts = GroupedExperts(2, D, HIDDEN)
+    x = torch.zeros(0, D, requires_grad=True)
+    out = experts(x, [0, 0])
+    assert out.shape == (0, D) and out.grad_fn is not None
+    out.sum().backward()
+    assert x.grad is not None and experts.w1.grad is not None and not experts.w1.grad.any()

@@ -53,14 +53,16 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, d_model, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, d_model))
 
-    @property
-    def n_experts(self) -> int:
-        return self.w1.shape[0]
-
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """`x`: tokens grouped by expert, `counts[e]` of them for this module's expert e, in order."""
-        out = [F.gelu(chunk @ self.w1[e]) @ self.w2[e] for e, chunk in enumerate(x.split(counts)) if counts[e]]
-        return torch.cat(out) if out else x.new_zeros(0, self.w2.shape[-1])
+        """`x`: tokens grouped by expert, `counts[e]` of them for this rank's expert e, in order."""
+        w1, w2 = _local(self.w1), _local(self.w2)  # expert parallelism's shard, as a plain tensor
+        # Empty groups too: the output then always depends on `x` and on every expert, so a rank
+        # whose experts got no token still runs the all-to-all's backward its peers wait in.
+        return torch.cat([F.gelu(chunk @ w1[e]) @ w2[e] for e, chunk in enumerate(x.split(counts))])
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
 class MoE(nn.Module):
@@ -167,14 +169,21 @@ class ExpertLoads:
     optimizer step (a step post-hook, so the loop is untouched) and kept on the device until
     `counts()` reads them once, at the end of the run."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, skip: int = 0):
         self.layers = {layer_name(n): m for n, m in model.named_modules() if isinstance(m, MoE)}
         self.steps: list[torch.Tensor] = []
+        self.skip = skip
+        """Steps whose loads are dropped: a pipeline's first step also runs torch's shape-inference
+        forward (on placeholder activations after the first stage), whose routing is not the model's."""
         if self.layers:
             optimizer.register_step_post_hook(self._after_step)
 
     def _after_step(self, *_: object) -> None:
-        self.steps.append(torch.stack([m.take_load() for m in self.layers.values()]))
+        loads = torch.stack([m.take_load() for m in self.layers.values()])
+        if self.skip:
+            self.skip -= 1
+            return
+        self.steps.append(loads)
 
     def counts(self) -> dict[str, list[list[int]]]:
         """Layer name -> per step, the slots each expert took on this rank (a host sync)."""

@@ -31,7 +31,16 @@ from training.parallel.chunks import chunk_blocks, each, parts
 from training.parallel.cp import ContextParallel
 from training.parallel.ddp import BucketTimer, apply_ddp, time_buckets
 from training.parallel.dims import ParallelDims, ddp_mesh, fsdp_mesh, resolve_dims  # noqa: F401 - re-exported
-from training.parallel.fsdp import apply_fsdp
+from training.parallel.ep import (
+    ExpertGroups,
+    apply_ep,
+    expert_groups,
+    expert_params,
+    moe_layers,
+    reduce_expert_grads,
+    rescale_expert_grads,
+)
+from training.parallel.fsdp import ExpertShards, apply_fsdp
 from training.parallel.materialize import materialize
 from training.parallel.pp import apply_pp, build_schedule, is_first, is_last
 from training.parallel.precision import apply_low_precision
@@ -66,6 +75,11 @@ class Parallel:
     optimizer's master weights (training/optim.py). Empty where the parameters are their own."""
     cp: ContextParallel | None = None
     """This rank's context parallelism (cp > 1): its split of the sequence, its K/V traffic."""
+    experts: ExpertGroups | None = None
+    """Expert parallelism (strategy.ep > 1): the ranks splitting the experts and their replicas."""
+    after_backward: Callable[[], None] | None = None
+    """Run after a step's last backward: the reduction of gradients no wrapper reduces (experts
+    split over ranks under DDP, reduced over their replicas alone)."""
 
     @property
     def loss_owners(self) -> int:
@@ -137,12 +151,17 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
         loss = split_loss(loss)
     if strategy.activation_checkpointing != "none":
         apply_ac(spec.live_blocks(), strategy.activation_checkpointing)
+    experts = expert_groups(dims, strategy.ep, dev.type) if strategy.ep > 1 and mesh is not None else None
+    if experts is not None:
+        for part in parts(model):
+            apply_ep(part, experts)
     dp_group = None
     masters: dict[nn.Parameter, torch.Tensor] = {}
     if use.fsdp:
         shard_mesh = fsdp_mesh(mesh, dims, use.cp_replicates)
         for part, part_spec in zip(parts(model), specs, strict=True):
-            apply_fsdp(part, part_spec.live_blocks(), shard_mesh, strategy.reshard, dtype)
+            shards = ExpertShards([m.experts for m in moe_layers(part)], experts.replicas) if experts is not None else None
+            apply_fsdp(part, part_spec.live_blocks(), shard_mesh, strategy.reshard, dtype, shards)
         dp_group = dp_mesh.get_group()
     if spec.pending is not None and not layout_only:
         # Sharded on the meta device: now each rank allocates and initialises its shard alone.
@@ -153,8 +172,16 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
     if dtype is torch.bfloat16 and not use.fsdp:
         # FSDP's numerics without FSDP: bf16 parameters, the fp32 ones kept as the optimizer's masters.
         masters = {new: old for part in parts(model) for new, old in apply_low_precision(part, dtype).items()}
+    after_backward = None
+    if use.fsdp and experts is not None:
+        after_backward = rescale_expert_grads([p for part in parts(model) for p in expert_params(part)], experts)
     if use.ddp:
         dp_group = ddp_mesh(mesh, dims).get_group() if mesh is not None else None
+        if experts is not None:  # DDP leaves the split experts alone: their replicas reduce them
+            for part in parts(model):
+                own = set(expert_params(part))
+                part._ddp_params_and_buffers_to_ignore = [n for n, p in part.named_parameters() if p in own]
+            after_backward = reduce_expert_grads([p for part in parts(model) for p in expert_params(part)], experts)
         if not layout_only:
             model = each(model, lambda m: apply_ddp(m, dev, strategy.bucket_cap_mb, strategy.find_unused_parameters
                                                     or dims.pp_enabled, process_group=dp_group, force=probe))
@@ -181,7 +208,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
     no_sync = _no_sync(model, use.fsdp)
     timer = time_buckets(parts(model)) if strategy.time_buckets else None
     return Parallel(dims, model, coords["dp"], first, last, forward_backward, no_sync, pp_group, scaler,
-                    strategy.shards_optimizer_only, dp_group, timer, masters, cp)
+                    strategy.shards_optimizer_only, dp_group, timer, masters, cp, experts, after_backward)
 
 
 class _ScaledLoss:
@@ -316,7 +343,8 @@ def build_optimizer(parallel: Parallel, lr: float, weight_decay: float) -> torch
 
 def clip_grad_norm(parallel: Parallel, max_norm: float) -> torch.Tensor:
     """Clip by the global gradient norm over every rank's part of the model (sharded gradients are
-    DTensors; pipeline stages each hold some layers, so their squared norms are summed)."""
+    DTensors, split experts among them; pipeline stages each hold some layers, so their squared
+    norms are summed)."""
     return clip_model_grads(parallel.model, max_norm, parallel.pp_group)
 
 

@@ -182,3 +182,22 @@ def resolve_dims(strategy: StrategyConfig, world: int) -> ParallelDims:
     """A strategy's degrees on `world` ranks (shapes only: no process group, no torch)."""
     d = strategy.degrees()
     return ParallelDims.resolve(d["dp_replicate"], d["dp_shard"], d["tp"], d["pp"], world, cp=strategy.cp_degree)
+
+
+def expert_parallel_problem(dims: ParallelDims, ep: int, zero1: bool, experts: list[int]) -> str | None:
+    """Why `ep` can't split the experts (`experts`: each MoE layer's count) on `dims`; None when it can."""
+    if ep == 1:
+        return None
+    if not experts:
+        return "the model has no mixture-of-experts layer to split (training/models/moe.py's MoE)"
+    if dims.dp_size % ep:
+        return f"must divide the data-parallel size {dims.dp_size} (dp_replicate x dp_shard): ep is carved out of it"
+    if any(n % ep for n in experts):
+        return f"must divide every layer's experts ({', '.join(map(str, sorted(set(experts))))})"
+    if dims.cp > 1 or dims.tp > 1:
+        return "expert parallelism with context or tensor parallelism is not built yet: use cp=1 and tp=1"
+    if zero1:
+        return ("zero1's sharded optimizer takes every data-parallel rank's parameters as equal, and split experts "
+                "are not: use ddp, zero2, zero3 or hybrid")
+    return None
+

@@ -20,7 +20,6 @@ initialises it.
 from __future__ import annotations
 
 import contextlib
-import copy
 import zlib
 from collections.abc import Callable, Iterator
 
@@ -122,7 +121,7 @@ def materialize(model: nn.Module, names: dict[nn.Module, str], init: InitFn | No
 
 
 def _initialise(module: nn.Module, own: dict[str, nn.Parameter], init: InitFn | None, seed: int) -> None:
-    twin = copy.copy(module)  # the module's attributes (sizes, padding_idx, config), not its parameters
+    twin = _plain_copy(module)  # the module's attributes (sizes, padding_idx, config), not its parameters
     twin._parameters = {n: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
                         for n, p in module._parameters.items()}
     twin._modules = {}
@@ -135,6 +134,18 @@ def _initialise(module: nn.Module, own: dict[str, nn.Parameter], init: InitFn | 
             init(twin)
     for n, p in own.items():
         _local(p).copy_(_shard(twin._parameters[n].detach(), p))
+
+
+def _plain_copy(module: nn.Module) -> nn.Module:
+    """A shallow copy of `module` as its own class: FSDP2 turns a module it shards into a subclass
+    whose construction (copy.copy's) rebuilds the original class with no arguments; a module that is
+    an FSDP unit and holds parameters itself (split experts) reaches here."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    twin = cls.__new__(cls)
+    twin.__dict__.update(module.__dict__)
+    return twin
 
 
 def _read_shard(weights: Weights, key: str, like: torch.Tensor) -> torch.Tensor:

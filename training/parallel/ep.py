@@ -1,0 +1,157 @@
+"""Expert parallelism: each mixture-of-experts layer's experts split over `ep` data-parallel ranks,
+tokens sent to the rank holding their expert and back by all-to-all (Megatron-Core's and
+torchtitan's layout, carved out of the data-parallel ranks).
+
+The ranks of a data-parallel group (dp = dp_replicate x dp_shard, flattened in that order) form
+dp / ep *expert groups* of ep neighbouring ranks; rank i of a group holds experts
+[i·E/ep, (i+1)·E/ep) of every layer. The ranks holding the same experts (one from each expert
+group) are *expert replicas*: their experts' gradients are reduced over them alone, while the
+other weights are reduced over every data-parallel rank as before.
+
+An expert's gradient on its rank already sums what every rank of its expert group sent it (the
+all-to-all's backward returns each token's gradient to where it came from, and the weights'
+gradients stay); the replicas' sum then covers every data-parallel rank's tokens, divided by dp as
+the other weights' average is: one process's gradient at the same global batch.
+
+Composes with DDP, FSDP (the experts sharded over their replicas) and pipeline stages (each stage's
+own expert groups). Built for the built-in MoE layer (training/models/moe.py). Context and tensor
+parallelism with ep,
+zero1's sharded optimizer and distributed checkpoints of split experts are refused up front
+(training/parallel/dims.py's `expert_parallel_problem`, pipelines/validate.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from training.models.moe import GroupedExperts, MoE
+from training.parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    mesh: DeviceMesh
+    """(pp, edp, ep) over every rank: `ep` the ranks that split the experts between them, `edp` the
+    ranks holding the same experts (their replicas)."""
+    ep: int
+    data_parallel: int
+    """Data-parallel ranks whose tokens reach an expert's gradient: what it is divided by."""
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        return self.mesh["ep"].get_group()
+
+    @property
+    def ep_rank(self) -> int:
+        return self.mesh["ep"].get_local_rank()
+
+    @property
+    def replicas(self) -> DeviceMesh:
+        return self.mesh["edp"]
+
+
+def expert_groups(dims: ParallelDims, ep: int, device_type: str) -> ExpertGroups:
+    """The expert mesh. With cp = tp = 1 a rank is pp_index x dp + dp_index and dp_index is
+    edp_index x ep + ep_index: the (pp, dp / ep, ep) mesh in rank order."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (dims.pp, dims.dp_size // ep, ep), mesh_dim_names=("pp", "edp", "ep"))
+    return ExpertGroups(mesh, ep, dims.dp_size)
+
+
+class AllToAllExperts:
+    """MoE.dispatch under expert parallelism: each rank's tokens, grouped by expert, go to the rank
+    holding their expert (all-to-all), are regrouped there by local expert, run, and come back."""
+
+    def __init__(self, experts: GroupedExperts, groups: ExpertGroups, local: int):
+        self.experts, self.groups = experts, groups
+        self.local = local
+        """Experts a rank holds (read before FSDP gathers them: the shards would say fewer)."""
+
+    def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_to_all_single
+
+        ep, local, group = self.groups.ep, self.local, self.groups.ep_group
+        send = torch.tensor(counts, dtype=torch.long, device=x.device).view(ep, local)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)  # how many of each are coming
+        send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        received = all_to_all_single(x.new_empty(sum(recv_splits), x.shape[-1]), x, recv_splits, send_splits, group)
+        # `received` is by source rank, then by local expert: regroup it by local expert.
+        sizes = recv.tolist()
+        starts = torch.tensor([0, *sizes_flat(sizes)], device=x.device).cumsum(0)
+        perm = torch.cat([torch.arange(int(starts[src * local + e]), int(starts[src * local + e]) + sizes[src][e],
+                                       device=x.device) for e in range(local) for src in range(ep)])
+        out = self.experts(received[perm], recv.sum(0).tolist())
+        back = out.new_zeros(out.shape).index_copy(0, perm, out)
+        return all_to_all_single(x.new_empty(sum(send_splits), x.shape[-1]), back, send_splits, recv_splits, group)
+
+
+def sizes_flat(sizes: list[list[int]]) -> list[int]:
+    return [n for row in sizes for n in row]
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def apply_ep(model: nn.Module, groups: ExpertGroups) -> None:
+    """Every MoE layer's experts as DTensors sharded along the experts over the `ep` ranks (each
+    rank computes with its own E/ep), tokens sent to them by all-to-all. As DTensors, a model built
+    on the meta device is initialised whole and cut (training/parallel/materialize.py), FSDP shards
+    them further over their replicas, and the gradient norm sums the ranks' shares."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ep_mesh = groups.mesh["ep"]
+    for name, module in model.named_modules():
+        if not isinstance(module, MoE):
+            continue
+        if module.n_experts % groups.ep:
+            raise ValueError(f"strategy.ep={groups.ep} must divide the {module.n_experts} experts of {name}")
+        experts = module.experts
+        for attr in ("w1", "w2"):
+            whole = getattr(experts, attr)
+            split = distribute_tensor(whole.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+            setattr(experts, attr, nn.Parameter(split, requires_grad=whole.requires_grad))
+        module.dispatch = AllToAllExperts(experts, groups, module.n_experts // groups.ep)
+
+
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    """The experts' parameters (each rank's own share under expert parallelism)."""
+    return [p for layer in moe_layers(model) for p in layer.experts.parameters()]
+
+
+def reduce_expert_grads(params: list[nn.Parameter], groups: ExpertGroups) -> Callable[[], None]:
+    """After the step's last backward, under DDP (which leaves them out): each expert gradient
+    summed over its replicas and divided by the data-parallel ranks, as DDP averages the rest."""
+
+    def reduce() -> None:
+        for p in params:
+            if p.grad is None:
+                continue
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            if groups.replicas.size() > 1:
+                dist.all_reduce(grad, group=groups.replicas.get_group())
+            grad.div_(groups.data_parallel)
+
+    return reduce
+
+
+def rescale_expert_grads(params: list[nn.Parameter], groups: ExpertGroups) -> Callable[[], None]:
+    """After the step's last backward, under FSDP: it averaged each expert gradient over the
+    replicas (dp / ep ranks); the average over every data-parallel rank is 1/ep of that. (Setting
+    FSDP's divide factor instead needs a pre-multiplied sum, which gloo lacks.)"""
+
+    def rescale() -> None:
+        for p in params:
+            if p.grad is not None:
+                (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).div_(groups.ep)
+
+    return rescale
+
