@@ -75,14 +75,13 @@ class AllToAllExperts:
         """Experts a rank holds (read before FSDP gathers them: the shards would say fewer)."""
 
     def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        from torch.distributed.nn.functional import all_to_all_single
 
         ep, local, group = self.groups.ep, self.local, self.groups.ep_group
         send = torch.tensor(counts, dtype=torch.long, device=x.device).view(ep, local)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)  # how many of each are coming
         send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        received = all_to_all_single(x.new_empty(sum(recv_splits), x.shape[-1]), x, recv_splits, send_splits, group)
+        received = _all_to_all(x.new_empty(sum(recv_splits), x.shape[-1]), x, recv_splits, send_splits, group)
         # `received` is by source rank, then by local expert: regroup it by local expert.
         sizes = recv.tolist()
         starts = torch.tensor([0, *sizes_flat(sizes)], device=x.device).cumsum(0)
@@ -90,7 +89,21 @@ class AllToAllExperts:
                                        device=x.device) for e in range(local) for src in range(ep)])
         out = self.experts(received[perm], recv.sum(0).tolist())
         back = out.new_zeros(out.shape).index_copy(0, perm, out)
-        return all_to_all_single(x.new_empty(sum(send_splits), x.shape[-1]), back, send_splits, recv_splits, group)
+        return _all_to_all(x.new_empty(sum(send_splits), x.shape[-1]), back, send_splits, recv_splits, group)
+
+
+def _all_to_all(output: torch.Tensor, x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+    """torch's differentiable all_to_all_single (its backward sends the gradients back). torch marks
+    it deprecated in favour of its functional collectives (not tried on gloo here); the warning is
+    silenced here rather than logged at every call in every rank's log."""
+    import warnings
+
+    from torch.distributed.nn.functional import all_to_all_single
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return all_to_all_single(output, x, output_splits, input_splits, group)
 
 
 def sizes_flat(sizes: list[list[int]]) -> list[int]:
