@@ -186,3 +186,22 @@ def test_experts_that_get_no_token_stay_in_the_graph():
     assert out.shape == (0, D) and out.grad_fn is not None
     out.sum().backward()
     assert x.grad is not None and experts.w1.grad is not None and not experts.w1.grad.any()
+
+
+def test_the_meta_count_is_what_a_real_forward_and_backward_executes():
+    """The plan's count on the meta device (slots spread evenly) against FLOPs counted on a real CPU
+    step of the same model, whose router spreads them unevenly: the experts' FLOPs depend on the
+    number of slots, not on their spread."""
+    seq = 64
+    torch.manual_seed(0)
+    real = build(256, seq, 64, 2, 4, 4, n_experts=E, top_k=2)
+    with torch.device("meta"):
+        meta = build(256, seq, 64, 2, 4, 4, n_experts=E, top_k=2)
+    tokens = torch.randint(0, 256, (1, seq))
+    counts = {}
+    for name, model, t in (("real", real, tokens), ("meta", meta, tokens.to("meta"))):
+        with FlopCount() as flops:
+            F.cross_entropy(model(t).flatten(0, 1), t.flatten()).backward()
+        counts[name] = flops.total
+    assert real.layers["0"].feed_forward.tokens_per_expert.tolist() != [seq * 2 // E] * E, "routing is uneven"
+    assert counts["real"] == counts["meta"]

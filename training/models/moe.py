@@ -55,14 +55,15 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """`x`: tokens grouped by expert, `counts[e]` of them for this rank's expert e, in order."""
-        w1, w2 = _local(self.w1), _local(self.w2)  # expert parallelism's shard, as a plain tensor
+        w1, w2 = local_part(self.w1), local_part(self.w2)  # expert parallelism's shard, as a plain tensor
         # Empty groups too: the output then always depends on `x` and on every expert, so a rank
         # whose experts got no token still runs the all-to-all's backward its peers wait in.
         return torch.cat([F.gelu(chunk @ w1[e]) @ w2[e] for e, chunk in enumerate(x.split(counts))])
 
 
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    return weight.to_local() if hasattr(weight, "to_local") else weight
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (split experts, their gradients); a plain tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class MoE(nn.Module):

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from training.models.moe import GroupedExperts, MoE
+from training.models.moe import GroupedExperts, MoE, local_part
 from training.parallel.dims import ParallelDims
 
 
@@ -148,7 +148,7 @@ def reduce_expert_grads(params: list[nn.Parameter], groups: ExpertGroups) -> Cal
         for p in params:
             if p.grad is None:
                 continue
-            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            grad = local_part(p.grad)
             if groups.replicas.size() > 1:
                 dist.all_reduce(grad, group=groups.replicas.get_group())
             grad.div_(groups.data_parallel)
@@ -164,7 +164,7 @@ def rescale_expert_grads(params: list[nn.Parameter], groups: ExpertGroups) -> Ca
     def rescale() -> None:
         for p in params:
             if p.grad is not None:
-                (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).div_(groups.ep)
+                local_part(p.grad).div_(groups.ep)
 
     return rescale
 
