@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from training import strategies
-from training.parallel.dims import DIM_NAMES, ParallelDims
+from training.collectives import bus_factor
+from training.parallel.dims import DIM_NAMES, ParallelDims, expert_parallel_problem
 from training.parallel.schedules import stage_blocks
 from training.shared_cores import SharedCores, time_share
 
@@ -87,9 +88,26 @@ class Shape:
     split into the loss (training/parallel/tp.py); 0: the model has none it can split, and TP
     leaves the head whole on every rank."""
 
+    experts: tuple[int, ...] = ()
+    """Each mixture-of-experts layer's experts that expert parallelism can split (training/models/
+    moe.py's MoE), in block order; (): none (a dense model, or experts the trainer can't split)."""
+    expert_params: int = 0
+    """Parameters of those layers' experts, every expert counted: what `ep` divides among its ranks
+    (the rest of a block is held as the other degrees say)."""
+    top_k: int = 0
+    """Experts each token is sent to in every MoE layer: its dispatch is top_k copies of `hidden`."""
+    expert_flops_share: float = 0.0
+    """Of the model's FLOPs, the share its routed experts compute: forward and backward, 6 x the
+    active expert parameters (top_k of each layer's) per token over the FLOPs per token counted on
+    the meta device. What a busier expert-parallel rank makes everyone wait for."""
+
     @property
     def kv(self) -> int:
         return self.kv_width or self.hidden
+
+    @property
+    def moe_layers(self) -> int:
+        return len(self.experts)
 
 
 @dataclass(frozen=True)
@@ -163,19 +181,33 @@ class Memory:
 
 def params_per_rank(shape: Shape, d: ParallelDims) -> float:
     """Parameters one rank holds before data-parallel sharding: TP splits the block linears and
-    the head; PP gives each stage its run of blocks (training/parallel/schedules.py), the first
-    stage the embeddings and the last the head: the fullest stage's."""
+    the head; EP the experts; PP gives each stage its run of blocks (training/parallel/schedules.py),
+    the first stage the embeddings and the last the head: the fullest stage's."""
+    return sum(stage_params(shape, d))
+
+
+def stage_params(shape: Shape, d: ParallelDims) -> tuple[float, float]:
+    """(the rest, the experts) of what one rank of the fullest pipeline stage holds before
+    data-parallel sharding: its blocks' dense parameters with TP's split, its E/ep experts of each
+    MoE layer, and its end's embeddings or head. Blocks are taken as equal (experts spread evenly)."""
     linears = shape.block_linear_params
     blocks = shape.params - shape.first_stage_params - shape.last_stage_params
-    all_blocks = (blocks - linears) + linears / d.tp
+    dense = (blocks - shape.expert_params - linears) + linears / d.tp
+    experts = shape.expert_params / d.ep
     first, last = _ends(shape, d)
     if d.pp == 1:
-        return first + last + all_blocks
+        return first + last + dense, experts
     layers = list(range(shape.layers))
-    per_block = all_blocks / max(shape.layers, 1)
+    count = [len(stage_blocks(layers, i, d.pp)) / max(shape.layers, 1) for i in range(d.pp)]
     ends = [first, *[0.0] * (d.pp - 2), last]
-    return max(len(stage_blocks(layers, i, d.pp)) * per_block + ends[i] for i in range(d.pp))
+    i = max(range(d.pp), key=lambda k: count[k] * (dense + experts) + ends[k])
+    return count[i] * dense + ends[i], count[i] * experts
 
+
+def expert_replicas(d: ParallelDims) -> int:
+    """Ranks holding the same experts (one in each expert group): FSDP shards the experts over
+    them, DDP all-reduces their gradients over them (training/parallel/ep.py)."""
+    return d.dp_size // d.ep
 
 def _ends(shape: Shape, d: ParallelDims) -> tuple[float, float]:
     """Parameters of the first and the last stage's own parts on one rank: the head split by TP."""
@@ -188,20 +220,22 @@ def keeps_gathered(strategy: str, reshard: bool = True) -> bool:
     return not (reshard and strategies.get(strategy).reshard_after_forward)
 
 
-def states_per_param(strategy: str, d: ParallelDims, precision: str, reshard: bool = True) -> tuple[float, float, float]:
+def states_per_param(strategy: str, d: ParallelDims, precision: str, reshard: bool = True,
+                     shards: int | None = None) -> tuple[float, float, float]:
     """Bytes per parameter of this rank's share for (parameters, gradients, optimizer), as the
     trainer allocates them (training/parallel/compose.py):
 
     - FSDP (d.uses_fsdp): fp32 parameters, gradients and moments sharded over dp_shard (16 / N), in
       any precision (MixedPrecisionPolicy computes with gathered copies); ZeRO-2 keeps the gathered
-      compute copy of every unit through backward (+ 2 or 4).
+      compute copy of every unit through backward (+ 2 or 4). `shards`: another N (split experts
+      are sharded over their replicas).
     - otherwise, bf16: bf16 parameters and gradients, the optimizer's fp32 master and moments
       (2 + 2 + 12), the 12 sharded over the data-parallel ranks by zero1 (the ZeRO paper's P_os);
       fp16 runs autocast over fp32 parameters, whose fp16 weight copies live until backward
       (4 + 2, 4, 8); fp32: 4 + 4 + 8. DDP's gradients are views of its buckets: no second copy."""
     c = COMPUTE_BYTES[precision]
     if d.uses_fsdp:
-        n = d.shard_degree  # dp_shard x cp: context-parallel ranks hold the same parameters
+        n = shards or d.shard_degree  # dp_shard x cp: context-parallel ranks hold the same parameters
         gathered = c if keeps_gathered(strategy, reshard) else 0.0
         return MASTER_BYTES / n + gathered, MASTER_BYTES / n, MOMENT_BYTES / n
     sharded = d.dp_size * d.cp if strategies.get(strategy).shards_optimizer_only else 1
@@ -212,17 +246,21 @@ def states_per_param(strategy: str, d: ParallelDims, precision: str, reshard: bo
 
 
 def state_memory(shape: Shape, strategy: str, d: ParallelDims, precision: str, reshard: bool = True) -> Memory:
-    """Parameters, gradients and optimizer state of one rank (states_per_param x its parameters)."""
-    psi = params_per_rank(shape, d)
+    """Parameters, gradients and optimizer state of one rank (states_per_param x its parameters);
+    under expert parallelism with FSDP the experts sharded over their replicas, the rest as usual."""
+    dense, experts = stage_params(shape, d)
     p, g, o = states_per_param(strategy, d, precision, reshard)
-    return Memory(p * psi, g * psi, o * psi, 0)
+    pe, ge, oe = (states_per_param(strategy, d, precision, reshard, expert_replicas(d)) if d.ep > 1
+                  else (p, g, o))
+    return Memory(p * dense + pe * experts, g * dense + ge * experts, o * dense + oe * experts, 0)
 
 
 def _unit_params(shape: Shape, d: ParallelDims) -> tuple[float, float]:
-    """(a block's parameters on this rank, split by TP; the root unit's: embeddings and head, or
-    the heavier end on a pipeline stage)."""
+    """(a block's parameters on this rank, split by TP and its experts by EP; the root unit's:
+    embeddings and head, or the heavier end on a pipeline stage)."""
     block = (shape.params - shape.first_stage_params - shape.last_stage_params) / max(shape.layers, 1)
     block -= shape.block_linear_params / max(shape.layers, 1) * (1 - 1 / d.tp)
+    block -= shape.expert_params / max(shape.layers, 1) * (1 - 1 / d.ep)  # gathered: this rank's experts
     first, last = _ends(shape, d)
     return block, max(first, last) if d.pp > 1 else first + last
 
@@ -270,15 +308,6 @@ def activation_tensor_bytes(batch: int, seq: int, hidden: int, dtype_bytes: int)
 # ---- communication --------------------------------------------------------------------------
 
 
-BUS_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-}
-
-
 @dataclass(frozen=True)
 class Link:
     """An α–β model of one collective over one kind of link."""
@@ -300,7 +329,7 @@ class Link:
         the bytes pay the bandwidth once."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        return calls * self.alpha_at(n) + nbytes * BUS_FACTOR[collective](n) / (self.busbw_gbps * 1e9)
+        return calls * self.alpha_at(n) + nbytes * bus_factor(collective, n) / (self.busbw_gbps * 1e9)
 
 
 @dataclass(frozen=True)
@@ -323,21 +352,27 @@ class Group:
 
 def group_of(d: ParallelDims, dim: str, devices_per_node: int | None) -> Group:
     """The group of mesh dimension `dim` (`dp`: dp_replicate x dp_shard, flattened; `grad`: those
-    and cp, the ranks whose gradients are reduced together) in the layout
+    and cp, the ranks whose gradients are reduced together; `ep` and `edp`: an expert group and
+    an expert's replicas, carved out of dp) in the layout
     `d` on nodes of `devices_per_node` ranks (None: one node holds them all). Its ranks are
     `stride` apart, stride being the product of the dimensions inside it, so a node holds
     devices_per_node // stride of them (at least one)."""
     names = list(DIM_NAMES)
     sizes = {name: getattr(d, name) for name in names}
+    spacing = 1
     if dim == "dp":
         ranks, inner = d.dp_size, names[names.index("dp_shard") + 1:]
     elif dim == "grad":  # every rank that holds the same parameters: the data-parallel and cp ranks
         ranks, inner = d.dp_size * d.cp, names[names.index("cp") + 1:]
+    elif dim == "ep":  # an expert group: ep neighbouring data-parallel ranks (training/parallel/ep.py)
+        ranks, inner = d.ep, names[names.index("dp_shard") + 1:]
+    elif dim == "edp":  # an expert's replicas: one in each expert group, ep data-parallel ranks apart
+        ranks, inner, spacing = expert_replicas(d), names[names.index("dp_shard") + 1:], d.ep
     else:
         ranks, inner = sizes[dim], names[names.index(dim) + 1:]
     if devices_per_node is None:
         return Group(ranks, ranks)
-    stride = math.prod(sizes[name] for name in inner)
+    stride = spacing * math.prod(sizes[name] for name in inner)
     return Group(ranks, max(1, min(ranks, devices_per_node // stride)))
 
 
@@ -355,7 +390,7 @@ def fit_link(points: list[tuple[int, float]], collective: str, world: int) -> Li
         raise ValueError(f"need at least 2 measured sizes of {collective} to fit latency and bandwidth")
     points = sorted(points)
     alpha = sorted(t for _, t in points[:3])[len(points[:3]) // 2]
-    factor = BUS_FACTOR[collective](world)
+    factor = bus_factor(collective, world)
     large = points[len(points) // 2:]
     xs = [b * factor for b, _ in large]
     ys = [max(t - alpha, 1e-12) for _, t in large]
@@ -415,7 +450,11 @@ class Comm:
     """Collective calls per step: each one a point where this rank may wait for its peers."""
     tail_s: float = 0.0
     """The data-parallel reduction that cannot hide behind backward: the last bucket's (DDP) or the
-    last unit's (FSDP), launched when the backward pass has nothing left to do."""
+    last unit's (FSDP), launched when the backward pass has nothing left to do; under DDP with
+    expert parallelism also the experts' gradients, all-reduced over their replicas after it."""
+    expert_parallel_s: float = 0.0
+    """Expert parallelism's all-to-alls (each MoE layer's tokens to their experts' ranks and back,
+    and the counts that announce them): on the critical path."""
 
 
 DDP_FIRST_BUCKET_BYTES = 1024**2
@@ -443,7 +482,9 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
     what dominates a small model or a slow link); `link(collective, group)` is the α–β model of
     that collective over that group, on the tier it crosses (Hardware.link). Each collective runs
     over its own mesh dimension's group (group_of) on nodes of `devices_per_node` ranks."""
-    psi = params_per_rank(shape, d)
+    dense, expert_psi = stage_params(shape, d)
+    split_experts = d.ep > 1 and expert_psi > 0  # then the experts' traffic goes over their replicas
+    psi = dense if split_experts else dense + expert_psi
     dtype_bytes = COMPUTE_BYTES[precision]
     # The gradients as reduced: FSDP's reduce_dtype is fp32; DDP reduces the parameters' dtype
     # (bf16 parameters; fp32 ones under fp32 and fp16's autocast), as do zero1's broadcasts.
@@ -475,6 +516,7 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
         # for every micro-batch of an accumulating step; the reduce-scatter once per step.
         resharded = strategies.get(strategy).reshard_after_forward
         regathered = shape.params - shape.first_stage_params - shape.last_stage_params if resharded else 0
+        regathered -= shape.expert_params if resharded and split_experts else 0
         dp_s = (call("all_gather", params * grad_accum, dp_group, units * grad_accum)
                 + call("all_gather", dtype_bytes * regathered / d.tp / d.pp * grad_accum, dp_group,
                        (units - 1) * grad_accum)
@@ -488,6 +530,13 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
         tail = link("all_reduce", dp_group).time("all_reduce", min(grads, bucket_cap_bytes), n)
         if strategies.get(strategy).shards_optimizer_only:  # then each rank broadcasts the partition it updated
             dp_s += call("broadcast", stored * psi, dp_group, n)
+    ep_s = 0.0
+    if split_experts:
+        moe = math.ceil(shape.moe_layers / d.pp)
+        edp_s, edp_tail, ep_s = expert_traffic(shape, strategy, d, micro_batch, grad_accum, microbatches, precision,
+                                               expert_psi, moe, call, link, devices_per_node, recompute)
+        dp_s += edp_s
+        tail += edp_tail
     activation = activation_tensor_bytes(micro_batch, shape.seq_len, shape.hidden, dtype_bytes) / d.cp
     layers = math.ceil(shape.layers / d.pp)
     # TP, inside its group: Megatron's collectives of one b x s x h activation each.
@@ -529,7 +578,47 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
     # v stages per rank every microbatch crosses v times as many stage boundaries.
     pp_calls = 2 * microbatches * grad_accum * virtual
     pp_s = call("broadcast", activation / microbatches * pp_calls, pp_group, pp_calls) if d.pp > 1 else 0.0
-    return Comm(dp_s, tp_s + cp_s, pp_s, made, tail)
+    return Comm(dp_s, tp_s + cp_s, pp_s, made, tail, ep_s)
+
+
+def all_to_all_bytes(shape: Shape, tokens: float, precision: str) -> float:
+    """What one rank sends in one of expert parallelism's all-to-alls of one MoE layer: each of its
+    `tokens` to top_k experts, `hidden` values each, in the compute dtype (its own experts' share
+    included, as nccl-tests counts an all-to-all's size; the bus factor (n − 1)/n leaves it out)."""
+    return tokens * shape.top_k * shape.hidden * COMPUTE_BYTES[precision]
+
+
+def expert_traffic(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, grad_accum: int,
+                   microbatches: int, precision: str, expert_psi: float, moe_layers: int,
+                   call: Callable[..., float], link: Callable[[str, Group], Link], devices_per_node: int | None,
+                   recompute: str) -> tuple[float, float, float]:
+    """(the experts' data-parallel seconds, the part of it after backward, the all-to-alls' seconds)
+    of one step on one rank under expert parallelism (training/parallel/ep.py), in the calls it
+    makes. Every MoE layer, per micro-batch (and pipeline microbatch): forward one all-to-all of
+    the expert counts and two of the tokens (dispatch, combine), backward two of their gradients;
+    recomputation (full or selective: its policy keeps no collective) repeats the forward's three.
+    The experts' replicas (dp / ep ranks) reduce-scatter and gather them under FSDP, once per MoE
+    layer (their own unit), or all-reduce their gradients after backward under DDP (one call per
+    weight, two a layer: nothing left to hide behind)."""
+    ep_group, edp_group = group_of(d, "ep", devices_per_node), group_of(d, "edp", devices_per_node)
+    chunks = grad_accum * (microbatches if d.pp > 1 else 1)
+    forwards = 1 + (1 if recompute in ("full", "selective") else 0)
+    tokens = all_to_all_bytes(shape, micro_batch * shape.seq_len, precision) * grad_accum * moe_layers
+    calls = moe_layers * chunks
+    a2a_s = (call("all_to_all", tokens * (2 * forwards + 2), ep_group, calls * (2 * forwards + 2))
+             + call("all_to_all", 8 * max(shape.experts) * calls * forwards, ep_group, calls * forwards))
+    if expert_replicas(d) == 1:
+        return 0.0, 0.0, a2a_s
+    dtype_bytes = COMPUTE_BYTES[precision]
+    if d.uses_fsdp:
+        gathers = 2 if strategies.get(strategy).reshard_after_forward else 1
+        dp_s = (call("all_gather", dtype_bytes * expert_psi * grad_accum * gathers, edp_group,
+                     moe_layers * grad_accum * gathers)
+                + call("reduce_scatter", MASTER_BYTES * expert_psi, edp_group, moe_layers))
+        return dp_s, 0.0, a2a_s
+    stored = dtype_bytes if precision in BF16_PARAMS else MASTER_BYTES
+    reduce_s = call("all_reduce", stored * expert_psi, edp_group, 2 * moe_layers)
+    return reduce_s, reduce_s, a2a_s
 
 
 # ---- step time ------------------------------------------------------------------------------
@@ -564,7 +653,8 @@ def step_time(compute_s: float, comm: Comm, d: ParallelDims, microbatches: int, 
     collective issued between compute costs beyond its probe time (CPU hosts: SharedCores)."""
     hidden = overlap * compute_s * 2 / 3
     dp_exposed = max(comm.data_parallel_s - hidden, min(comm.tail_s, comm.data_parallel_s) if overlap else 0.0, 0.0)
-    exposed = dp_exposed + comm.tensor_parallel_s + comm.pipeline_s + comm.calls * call_cost_s
+    exposed = (dp_exposed + comm.tensor_parallel_s + comm.expert_parallel_s + comm.pipeline_s
+               + comm.calls * call_cost_s)
     busy = compute_s + overhead_s + exposed
     idle = pipeline_bubble(d.pp, microbatches, schedule, virtual)
     bubble = busy * idle / (1 - idle)
@@ -704,6 +794,20 @@ class Workload:
     softmax): with the loss's temporaries split over the TP ranks where the model's head is
     (Shape.head_params), whole on each otherwise."""
 
+    expert_imbalance: tuple[tuple[int, float], ...] = ()
+    """(ep, measured imbalance) pairs: the busiest expert-parallel rank's routed tokens over the
+    mean rank's, per step, averaged (stages/train.py's TrainResult.expert_rank_imbalance); an ep
+    not in it is predicted balanced (1.0)."""
+
+    def imbalance_at(self, ep: int) -> float:
+        return dict(self.expert_imbalance).get(ep, 1.0) if ep > 1 else 1.0
+
+    def expert_straggler(self, d: ParallelDims) -> float:
+        """How much longer the busiest expert-parallel rank computes than the mean: its experts'
+        share of the FLOPs times the excess of tokens it got (the all-to-alls make every rank wait
+        for it). 1 without expert parallelism: one rank runs every expert, whatever the routing."""
+        return 1.0 + self.shape.expert_flops_share * (self.imbalance_at(d.ep) - 1.0)
+
     def head_split(self, d: ParallelDims) -> int:
         """Over how many ranks the head's logits and the loss's temporaries are split."""
         return d.tp if self.shape.head_params else 1
@@ -759,6 +863,18 @@ class MeasuredStep:
     predicted: StepPrediction
     """The model's components for that run, uncalibrated."""
     measured_step_s: float
+    expert_imbalance: tuple[tuple[int, float], ...] = ()
+    """(ep, imbalance) the run measured (TrainResult.expert_rank_imbalance); () for a dense model."""
+
+
+def measured_imbalance(points: list[MeasuredStep]) -> tuple[tuple[int, float], ...]:
+    """Per expert-parallel degree, the median imbalance earlier runs of the model measured
+    (Workload.expert_imbalance); () when none did."""
+    seen: dict[int, list[float]] = {}
+    for point in points:
+        for ep, x in point.expert_imbalance:
+            seen.setdefault(ep, []).append(x)
+    return tuple((ep, statistics.median(xs)) for ep, xs in sorted(seen.items()))
 
 
 @dataclass(frozen=True)
@@ -882,7 +998,7 @@ def feasible(shape: Shape, d: ParallelDims, w: Workload) -> bool:
         return False
     if d.cp > 1 and shape.seq_len % (2 * d.cp):  # two load-balanced chunks per cp rank
         return False
-    return True
+    return expert_parallel_problem(d, False, shape.experts) is None
 
 
 def pipeline_problem(w: Workload, d: ParallelDims) -> str | None:
@@ -970,15 +1086,16 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: ParallelDims, mem
     `flavour` (ddp, zero1, zero2 or zero3); None if the model can't be laid out so. `name` is the
     strategy it is reported as (default: the flavour). With a `calibration`, the step time is its
     refinement of the model's components."""
-    if not feasible(w.shape, d, w):
-        return None
+    if not feasible(w.shape, d, w) or (d.ep > 1 and strategies.get(flavour).shards_optimizer_only):
+        return None  # zero1 with split experts: expert_parallel_problem's refusal
     name = name or flavour
     devices = d.world_size
     comm = comm_time(w.shape, flavour, d, w.micro_batch, w.grad_accum, w.microbatches, w.precision, hw.link,
                      w.bucket_cap_bytes, w.clip, hw.devices_per_node, w.sequence_parallel and d.tp > 1,
                      w.checkpointing, w.pp_virtual_stages)
     per_sample = w.seconds_per_sample if w.seconds_per_sample is not None else hw.seconds_per_sample
-    compute = per_sample * hw.contention(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp * d.cp)
+    compute = (per_sample * hw.contention(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp * d.cp)
+               * w.expert_straggler(d))
     overhead = hw.strategy_overhead(flavour, devices) * w.grad_accum
     # Each collective follows its share of the step's compute: the stretch the ranks drift over.
     step = step_time(compute, comm, d, w.microbatches, overlap, overhead, w.pp_schedule, w.pp_virtual_stages,

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from training.anatomy import measure_anatomy
+from training.collectives import bus_factor
 from training.config import ModelConfig
 from training.costmodel import (
-    BUS_FACTOR,
     Link,
     Shape,
     activation_tensor_bytes,
@@ -115,7 +115,7 @@ def test_the_seeds_activation_example():
 
 
 def test_ring_all_reduce_volume_and_the_bubble():
-    assert BUS_FACTOR["all_reduce"](4) == 2 * 3 / 4 and BUS_FACTOR["all_gather"](8) == 7 / 8
+    assert bus_factor("all_reduce", 4) == 2 * 3 / 4 and bus_factor("all_gather", 8) == 7 / 8
     assert pipeline_bubble(4, 4) == pytest.approx(3 / 7) and pipeline_bubble(1, 8) == 0
     link = Link(alpha_s=1e-5, busbw_gbps=10.0, world=2)
     assert link.time("all_reduce", 1e9, 1) == 0

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
+from training.collectives import bus_factor
 from training.costmodel import (
-    BUS_FACTOR,
     Group,
     Link,
     Shape,
@@ -90,11 +90,11 @@ def test_sequence_parallel_moves_tps_bytes_as_all_gathers_and_reduce_scatters():
     sp = comm_time(SHAPE, "ddp", d, B, 1, 1, "fp32", link, sequence_parallel=True).tensor_parallel_s
     activation = B * SEQ * D * FP32
     reduces = 4 * LAYERS  # two forward, two backward
-    assert plain == pytest.approx(reduces * (activation * BUS_FACTOR["all_reduce"](2) / 1e9 + 1e-6))
+    assert plain == pytest.approx(reduces * (activation * bus_factor("all_reduce", 2) / 1e9 + 1e-6))
     # Forward two all-gathers and two reduce-scatters, backward two reduce-scatters and four
     # all-gathers (the saved shards gathered again), each a whole activation.
     moved = 10 * LAYERS
-    assert sp == pytest.approx(moved * (activation * BUS_FACTOR["all_gather"](2) / 1e9 + 1e-6))
+    assert sp == pytest.approx(moved * (activation * bus_factor("all_gather", 2) / 1e9 + 1e-6))
     full = comm_time(SHAPE, "ddp", d, B, 1, 1, "fp32", link, sequence_parallel=True, recompute="full").tensor_parallel_s
     assert full == pytest.approx(sp * 14 / 10), "full recomputation repeats the forward's four"
 
