@@ -415,14 +415,14 @@ def global_batch(cfg: Config) -> int:
 def requested_layout(cfg: Config) -> str:
     """What this invocation asked to train: its degrees, micro-batch x accumulation, precision and
     checkpointing, or `auto` (the plan's recommendation, measured by trials when plan.trials > 0)."""
-    from training.parallel.dims import DIM_NAMES, resolve_dims
+    from training.parallel.dims import resolve_dims
     from training.search import setting_label
 
     if cfg.strategy.name == "auto":
         return f"auto, {cfg.plan.trials} trials" if cfg.plan.trials else "auto"
     dims = resolve_dims(cfg.strategy, cfg.nodes * cfg.procs_per_node)
     s = cfg.strategy
-    return setting_label({k: getattr(dims, k) for k in DIM_NAMES}, cfg.train.micro_batch_for(dims.dp_size),
+    return setting_label(dataclasses.asdict(dims), cfg.train.micro_batch_for(dims.dp_size),
                          cfg.train.grad_accum, s.precision, s.activation_checkpointing)
 
 

@@ -20,7 +20,7 @@ from pipelines.schema import Config
 from training.config import WHATIF_PRECISIONS, ConfigError
 from training.contract import ContractFacts
 from training.files import write_atomic
-from training.parallel.dims import ParallelDims, expert_parallel_problem
+from training.parallel.dims import ParallelDims, expert_parallel_problem, resolve_dims
 from training.parallel.schedules import checkpointing_problem, data_parallel_problem, microbatches_problem
 
 if TYPE_CHECKING:
@@ -219,7 +219,7 @@ def keep_contract_facts(cfg: Config) -> None:
 def _check_degrees(cfg: Config, gpus: int | None) -> ParallelDims:
     s = cfg.strategy
     try:
-        dims = ParallelDims.resolve(**s.degrees(), world_size=cfg.nodes * cfg.procs_per_node, cp=s.cp_degree)
+        dims = resolve_dims(s, cfg.nodes * cfg.procs_per_node)
     except ValueError as err:
         raise ConfigError("strategy", s.name, str(err)) from None
     if s.precision == "fp16" and gpus == 0 and cfg.cluster.measured:
@@ -280,7 +280,7 @@ def _check_strategy(cfg: Config, dims: ParallelDims, facts: ContractFacts) -> No
         raise ConfigError("strategy.sequence_parallel", True, facts.sp_problem)
     if dims.cp > 1:
         _check_cp(cfg, dims.cp, facts)
-    problem = expert_parallel_problem(dims, s.ep, s.shards_optimizer_only, facts.experts)
+    problem = expert_parallel_problem(dims, s.shards_optimizer_only, facts.experts)
     if problem is not None:
         raise ConfigError("strategy.ep", s.ep, problem)
     if s.ep > 1 and cfg.train.ckpt_every:

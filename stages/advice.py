@@ -15,6 +15,8 @@ from training.costmodel import (
     Calibration,
     Group,
     Hardware,
+    Shape,
+    all_to_all_bytes,
     group_of,
     predict_layout,
     state_memory,
@@ -113,8 +115,10 @@ def command_prefix(cfg: AdviceInputs) -> str:
 
 
 def advise(cfg: AdviceInputs, anatomy: Anatomy, costs: list[VariantCost], hw: Hardware, memory_limit: float,
-           overlap: float, calibration: Calibration | None) -> tuple[Searched, Candidate, list[Variant]]:
-    """The search, and the run's own layout and knobs predicted the same way."""
+           overlap: float, calibration: Calibration | None,
+           expert_imbalance: tuple[tuple[int, float], ...] = ()) -> tuple[Searched, Candidate, list[Variant]]:
+    """The search, and the run's own layout and knobs predicted the same way (`expert_imbalance`:
+    the routing imbalance earlier runs measured, Workload's field)."""
     world = cfg.nodes * cfg.procs_per_node
     own_cost = next(c for c in costs if (c.precision, c.activation_checkpointing) ==
                     (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
@@ -123,15 +127,13 @@ def advise(cfg: AdviceInputs, anatomy: Anatomy, costs: list[VariantCost], hw: Ha
         world=world, devices_per_node=min(hw.devices_per_node, world),
         global_batch=cfg.train.global_batch, replica_batch=cfg.train.micro_batch * cfg.train.grad_accum,
         variants=variants, strategies=tuple(cfg.plan.strategies) if cfg.plan.strategies else None,
-        clip=cfg.train.grad_clip is not None,
+        clip=cfg.train.grad_clip is not None, expert_imbalance=expert_imbalance,
         context_parallel=search_cp(anatomy.shape, variants, memory_limit, min(hw.devices_per_node, world)),
     )
     searched = search(space, anatomy.shape, hw, anatomy.tokens_per_sample, anatomy.flops_per_sample,
                       memory_limit, overlap, calibration, command_prefix(cfg))
     requested = None
-    # Expert parallelism has no terms in the cost model yet: no prediction is made for it (the plan
-    # says so) rather than one for a layout other than the trainer's.
-    if cfg.strategy.name != "auto" and cfg.strategy.ep == 1:
+    if cfg.strategy.name != "auto":
         micro = cfg.train.micro_batch_for(resolve_dims(cfg.strategy, world).dp_size)
         requested = own_candidate(cfg, anatomy, variants, hw, memory_limit, overlap, calibration, micro, space)
     return searched, requested, variants
@@ -149,7 +151,8 @@ def own_candidate(cfg: AdviceInputs, anatomy: Anatomy, variants: list[Variant], 
                (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
     w = own.workload(anatomy.shape, micro, cfg.train.grad_accum, cfg.strategy.microbatches, cfg.strategy.pp_schedule,
                      cfg.strategy.bucket_cap_mb, cfg.train.grad_clip is not None, anatomy.tokens_per_sample,
-                     cfg.strategy.sequence_parallel and d.tp > 1, cfg.strategy.pp_virtual_stages)
+                     cfg.strategy.sequence_parallel and d.tp > 1, cfg.strategy.pp_virtual_stages,
+                     space.expert_imbalance)
     name = cfg.strategy.name if cfg.strategy.name in pure() else strategy_name(flavour, d)
     p = predict_layout(w, hw, flavour, d, memory_limit, overlap, 1.0 / own.seconds_per_sample, calibration, name)
     if p is None:
@@ -217,7 +220,8 @@ def _why_absent(name: str, anatomy: Anatomy, cfg: AdviceInputs) -> str:
     return "no batch split of this world keeps the batch"
 
 
-TIER_TRAFFIC = {"tp": ("all_reduce", "4 all-reduces per layer"), "cp": ("all_gather", "K/V all-gathered per layer")}
+TIER_TRAFFIC = {"tp": ("all_reduce", "4 all-reduces per layer"), "cp": ("all_gather", "K/V all-gathered per layer"),
+                "ep": ("all_to_all", "4 all-to-alls per MoE layer")}
 """What each node-local degree sends per layer (training/costmodel.py's comm_time), and its collective."""
 
 
@@ -253,6 +257,40 @@ def node_local_reason(best: Candidate | None, searched: Searched, hw: Hardware) 
     return f"tiers: {tier(best, hw)}; kept because {versus} (more than {NODE_LOCAL:.0%})"
 
 
+def expert_reason(best: Candidate | None, searched: Searched, hw: Hardware, shape: Shape,
+                  imbalance: tuple[tuple[int, float], ...]) -> str | None:
+    """For a mixture-of-experts model: the expert-parallel degree chosen and the ruler that decided,
+    against the best layout of the other kind (ep > 1 vs experts whole on every rank): the
+    all-to-all's bytes and time on the tier its group rides, the experts' states per rank, and the
+    routing imbalance the prediction used. None for a dense model."""
+    if best is None or not shape.experts:
+        return None
+    ep = best.dims.get("ep", 1)
+    other = next((c for c in searched.ranked if c.fits and (c.dims.get("ep", 1) > 1) != (ep > 1)), None)
+    split = best if ep > 1 else other
+    if split is None:
+        return f"experts: ep=1, every rank holds all {max(shape.experts)} experts a layer; no expert-parallel layout fits"
+    d = split.degrees
+    group = group_of(d, "ep", hw.devices_per_node)
+    per_layer = 4 * all_to_all_bytes(shape, split.micro_batch * shape.seq_len, split.precision)
+    link = hw.link("all_to_all", group)
+    a2a_s = link.time("all_to_all", per_layer * shape.moe_layers * split.grad_accum, group.ranks,
+                      4 * shape.moe_layers * split.grad_accum)
+    states = state_memory(shape, split.flavour, d, split.precision).total
+    measured = dict(imbalance).get(d.ep)
+    skew = (f"routing imbalance {measured:.2f} measured at ep={d.ep}" if measured is not None
+            else "routing taken as balanced (no measured run of this model at that ep)")
+    facts = (f"ep={d.ep} ({group.describe()}): {max(shape.experts) // d.ep} of {max(shape.experts)} experts a layer "
+             f"per rank, states {states / GIB:.2f} GiB per device; all-to-all {per_layer / 1e6:.2f} MB a MoE "
+             f"layer per micro-batch at {link.busbw_gbps:.1f} GB/s, {a2a_s * 1e3:.2f} ms a step; {skew}")
+    if ep > 1:
+        versus = (f"predicted {best.tokens_per_s / other.tokens_per_s:.2f}x the best layout without it "
+                  f"({other.strategy} {_short(other)})" if other is not None else "no layout without it fits")
+        return f"experts: {facts}; {versus}"
+    return (f"experts: ep=1 (every rank holds every expert); the best expert-parallel layout, {split.strategy} "
+            f"{_short(split)}, is predicted {split.tokens_per_s / best.tokens_per_s:.2f}x: {facts}")
+
+
 def headline_reason(best: Candidate | None, searched: Searched, memory_limit: float, world: int) -> str:
     if best is None or not best.fits:
         return closest_miss(searched.ranked, memory_limit)
@@ -274,7 +312,7 @@ def one_device(strategy: StrategyConfig) -> StrategyConfig:
     strategy (a hybrid, tp or pp layout as plain data parallelism of one), its precision,
     checkpointing and buckets kept, so that scaling efficiency compares like with like."""
     name = strategies.get(strategy.name).one_device
-    return dataclasses.replace(strategy, name=name, dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=None,
+    return dataclasses.replace(strategy, name=name, dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=None, ep=1,
                                reshard_after_forward=None)
 
 
@@ -288,7 +326,7 @@ def candidate_settings(c: Candidate, strategy: StrategyConfig, train: TrainConfi
         reshard_after_forward=strategies.get(c.flavour).reshard_after_forward if d["dp_shard"] > 1 else None,
         precision=c.precision, activation_checkpointing=c.activation_checkpointing, pp_schedule=c.pp_schedule,
         microbatches=c.microbatches if d["pp"] > 1 else strategy.microbatches, bucket_cap_mb=c.bucket_cap_mb,
-        cp=d.get("cp", 1), sequence_parallel=c.sequence_parallel,
+        cp=d.get("cp", 1), ep=d.get("ep", 1), sequence_parallel=c.sequence_parallel,
         pp_virtual_stages=c.pp_virtual_stages if d["pp"] > 1 else 1)
     chosen = chosen if world > 1 else one_device(chosen)
     # With a fixed global batch the micro-batch follows from it; else the candidate's is per replica.

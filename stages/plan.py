@@ -22,6 +22,7 @@ from typing import Any
 from stages.advice import (
     AdviceInputs,
     advise,
+    expert_reason,
     headline_reason,
     node_local_reason,
     precision_peak,
@@ -46,6 +47,7 @@ from training.costmodel import (
     device_counts,
     fit_calibration,
     fit_link,
+    measured_imbalance,
     predict,
 )
 from training.memory import AuditRow
@@ -563,20 +565,19 @@ def advise_plan(cfg: PlanInputs, anatomy: Anatomy, costs: list, hw: Hardware, w:
     limit = memory_limit(cfg, hw)
     overlap = cfg.plan.overlap if cfg.plan.overlap is not None else (0.0 if hw.cores else 1.0)
     inputs = advice_inputs(cfg)
-    searched, requested, variants = advise(inputs, anatomy, costs, hw, limit, overlap, calibration)
+    searched, requested, variants = advise(inputs, anatomy, costs, hw, limit, overlap, calibration, w.expert_imbalance)
     best = searched.ranked[0] if searched.ranked else None
     best = best if best is not None and best.fits else None
     reasons = [headline_reason(best, searched, limit, world)]
     tiers = node_local_reason(best, searched, hw)
     reasons += [tiers] if tiers is not None else []
+    experts = expert_reason(best, searched, hw, anatomy.shape, w.expert_imbalance)
+    reasons += [experts] if experts is not None else []
     reasons += rejection_reasons(searched, best, limit, hw, inputs, anatomy)
     if requested is not None and best is not None:
         reasons.append(f"requested: {requested.strategy} predicted {requested.tokens_per_s:.0f} tokens/s, "
                        f"{requested.tokens_per_s / best.tokens_per_s:.2f}x the recommendation"
                        + ("" if requested.fits else ", and it does not fit"))
-    if cfg.strategy.ep > 1:
-        reasons.append(f"requested: strategy.ep={cfg.strategy.ep} is not predicted: the cost model has no "
-                       "expert-parallel terms yet (all-to-all, experts' states per rank)")
     recommended = best or (searched.ranked[0] if searched.ranked else None)
     fields = {"recommended": recommended, "requested": requested, "candidates": searched.ranked[:10],
               "layouts": searched.best_per_layout(10),
@@ -640,7 +641,7 @@ def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult,
     own = next(c for c in costs if (c.precision, c.activation_checkpointing) ==
                (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
     anatomy = with_activations(anatomy, own)
-    w = workload(cfg, anatomy)
+    w = dataclasses.replace(workload(cfg, anatomy), expert_imbalance=measured_imbalance(history))
     hw = hardware(cfg, own.executed_flops_per_sample, rulers, bandwidth, micro)
     calibration = fit_calibration(history) if cfg.plan.calibrate else None
     if calibration is not None:

@@ -184,6 +184,11 @@ class TrainResult:
     expert_imbalance: list[float] = dataclasses.field(default_factory=list)
     """Per step from `expert_first_step`, the MoE layers' mean of busiest-expert slots over the mean
     (1.0: balanced)."""
+    expert_rank_imbalance: dict[str, float] = dataclasses.field(default_factory=dict)
+    """For each expert-parallel degree that divides the experts ("2", "4", ...): the steps' mean of the
+    busiest rank's routed slots over the mean rank's, had the experts been split over that many
+    ranks (training/models/moe.py's rank_imbalance). A later plan's prediction stretches the
+    experts' compute by it (plan.calibrate)."""
     expert_first_step: int = 1
     """The first step the expert loads count: 2 under a pipeline, whose first step also runs torch's
     shape inference through the experts; later for a resumed run."""
@@ -231,6 +236,7 @@ class TrainResult:
         if self.expert_imbalance:
             out += [("moe/imbalance", x, step) for step, x in enumerate(self.expert_imbalance, self.expert_first_step)]
             scalars["moe/imbalance_mean"] = statistics.fmean(self.expert_imbalance)
+        scalars.update({f"moe/rank_imbalance_ep{ep}": x for ep, x in self.expert_rank_imbalance.items()})
         # One chart per layer: the expert's index on the step axis, its slots as the value.
         out += [(f"moe/load/{layer}", float(n), e) for layer, load in self.expert_load.items() for e, n in enumerate(load)]
         return out + [(k, v, 0) for k, v in scalars.items()]
@@ -240,7 +246,8 @@ class TrainResult:
         uncalibrated components the plan predicted it from; None without a prediction."""
         if self.prediction is None:
             return None
-        return MeasuredStep(self.strategy, self.world_size, self.prediction.components, self.step_time_s)
+        return MeasuredStep(self.strategy, self.world_size, self.prediction.components, self.step_time_s,
+                            tuple((int(ep), x) for ep, x in self.expert_rank_imbalance.items()))
 
     def headline(self) -> str:
         mfu = f", MFU {self.mfu_pct:.1f} %" if self.mfu_pct is not None else ""
@@ -314,7 +321,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     from training.flops import peak_column, peak_flops
     from training.loop import lr_lambda, train_loop
     from training.models import tokens_per_sample
-    from training.models.moe import ExpertLoads, merge_counts, step_imbalance
+    from training.models.moe import ExpertLoads, merge_counts, rank_imbalance, step_imbalance
     from training.parallel.compose import build_optimizer, parallelize
 
     t = cfg.train
@@ -424,5 +431,6 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
         ranks_in_sync=all(len({d for s, d in digests if s == k}) == 1 for k in {s for s, _ in digests}),
         expert_load={layer: [sum(e) for e in zip(*steps, strict=True)] for layer, steps in routed.items()},
         expert_imbalance=step_imbalance(routed),
+        expert_rank_imbalance=rank_imbalance(routed),
         expert_first_step=first + skipped + 1,
     )

@@ -27,6 +27,7 @@ from training.config import ModelConfig
 from training.costmodel import Anatomy, Shape
 from training.memory import AuditRow, SavedActivations, memory_audit
 from training.models import Batch, LossFn, batch_loss, batch_size, build_model, model_loss, tokens_per_sample
+from training.models.moe import MoE
 from training.models.spec import ContractError, ModelSpec, model_spec, tp_divisors
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -146,12 +147,20 @@ def measure_anatomy(model: nn.Module, spec: ModelSpec, loss: LossFn, batch: Batc
     # model that takes the true positions of its tokens (training/parallel/cp.py).
     splittable = attention.calls > 0 and takes_position_ids(model) and positions > 1
     anatomy = Anatomy(
-        shape=dataclasses.replace(shape, context_parallel=splittable, kv_width=attention.kv_width),
+        shape=dataclasses.replace(shape, context_parallel=splittable, kv_width=attention.kv_width,
+                                  expert_flops_share=expert_flops(model) * positions / max(flops.total / samples, 1)),
         flops_per_sample=flops.total / samples,
         activation_bytes_per_sample=saved.bytes / samples,
         tokens_per_sample=tokens_per_sample(batch),
     )
     return Counted(anatomy, flops.convention)
+
+
+def expert_flops(model: nn.Module) -> float:
+    """Forward and backward FLOPs of one token through the routed experts of the model's MoE layers
+    (training/models/moe.py): 6 x the parameters of the top_k experts it is sent to in each (their
+    linears: 2 FLOPs a parameter forward, 4 backward)."""
+    return sum(6 * m.top_k * count_params(m.experts) / m.n_experts for m in model.modules() if isinstance(m, MoE))
 
 
 def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> Shape:
@@ -176,7 +185,11 @@ def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> 
         first, last, pipeline = params - block_params, 0, False
     # Whatever belongs to neither a block nor a declared end (a shared norm, say) sits with the first stage.
     first += params - block_params - first - last
+    moe = [m for m in model.modules() if isinstance(m, MoE)]
     return Shape(
+        experts=tuple(m.n_experts for m in moe),
+        expert_params=sum(count_params(m.experts) for m in moe),
+        top_k=max((m.top_k for m in moe), default=0),
         params=params,
         layers=len(spec.blocks),
         block_linear_params=split,

@@ -18,6 +18,7 @@ degrees, then the plainer data parallelism).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from training.costmodel import (
     feasible,
     predict_layout,
 )
-from training.parallel.dims import ParallelDims
+from training.parallel.dims import ParallelDims, expert_parallel_problem
 from training.units import GIB
 
 TOP = 10
@@ -61,7 +62,8 @@ class Variant:
     """Workload's fields of these names."""
 
     def workload(self, shape: Shape, micro: int, accum: int, microbatches: int, schedule: str, bucket_mb: float,
-                 clip: bool, tokens_per_sample: int, sequence_parallel: bool = False, virtual: int = 1) -> Workload:
+                 clip: bool, tokens_per_sample: int, sequence_parallel: bool = False, virtual: int = 1,
+                 expert_imbalance: tuple[tuple[int, float], ...] = ()) -> Workload:
         """This setting's Workload for one point of the space (the search's and the run's own)."""
         return Workload(shape=shape, micro_batch=micro, grad_accum=accum, microbatches=microbatches,
                         precision=self.precision, checkpointing=self.activation_checkpointing,
@@ -73,7 +75,8 @@ class Variant:
                         pp_schedule=schedule, sequence_parallel=sequence_parallel, pp_virtual_stages=virtual,
                         activation_sequence_replicated_bytes_per_sample=(
                             self.activation_sequence_replicated_bytes_per_sample),
-                        activation_head_bytes_per_sample=self.activation_head_bytes_per_sample)
+                        activation_head_bytes_per_sample=self.activation_head_bytes_per_sample,
+                        expert_imbalance=expert_imbalance)
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,8 @@ class Space:
     strategies: tuple[str, ...] | None = None
     """Only candidates reported as one of these (plan.strategies); None: all."""
     clip: bool = True
+    expert_imbalance: tuple[tuple[int, float], ...] = ()
+    """Routing imbalance measured per expert-parallel degree (Workload.expert_imbalance)."""
     context_parallel: bool = False
     """Search cp > 1 (the model can be split over the sequence, and its activations are what fills
     a device: search_cp)."""
@@ -109,7 +114,7 @@ class Candidate:
     flavour: str
     """The data-parallel flavour (ddp, zero1, zero2, zero3)."""
     dims: dict[str, int]
-    """pp, dp_replicate, dp_shard, cp, tp."""
+    """pp, dp_replicate, dp_shard, cp, tp, ep."""
     micro_batch: int
     grad_accum: int
     activation_checkpointing: str
@@ -132,7 +137,7 @@ class Candidate:
     @property
     def degrees(self) -> ParallelDims:
         return ParallelDims(self.dims["dp_replicate"], self.dims["dp_shard"], self.dims["tp"], self.dims["pp"],
-                            self.dims.get("cp", 1))
+                            self.dims.get("cp", 1), self.dims.get("ep", 1))
 
     @property
     def non_trivial(self) -> int:
@@ -145,6 +150,8 @@ class Candidate:
             out += [f"strategy.{k}={self.dims[k]}" for k in ("dp_replicate", "dp_shard", "tp", "pp")]
         if self.dims.get("cp", 1) > 1:
             out.append(f"strategy.cp={self.dims['cp']}")
+        if self.dims.get("ep", 1) > 1:
+            out.append(f"strategy.ep={self.dims['ep']}")
         if self.sequence_parallel:
             out.append("strategy.sequence_parallel=true")
             if not strategies.get(self.flavour).reshard_after_forward:
@@ -208,7 +215,19 @@ def layouts(world: int, shape: Shape, context_parallel: bool = False) -> Iterato
             for pp in divisors(world // tp // cp):
                 if pp > 1 and (not shape.pipeline or pp > shape.layers):
                     continue
-                yield from _data_parallel(world // tp // cp // pp, tp, cp, pp)
+                for flavour, d in _data_parallel(world // tp // cp // pp, tp, cp, pp):
+                    yield flavour, d
+                    if not strategies.get(flavour).shards_optimizer_only:  # zero1 can't hold split experts
+                        yield from ((flavour, split) for split in expert_layouts(shape, d))
+
+
+def expert_layouts(shape: Shape, d: ParallelDims) -> Iterator[ParallelDims]:
+    """`d` with each expert-parallel degree > 1 its MoE layers allow (expert_parallel_problem):
+    dividing the data-parallel ranks and every layer's experts."""
+    for ep in divisors(d.dp_size)[1:] if shape.experts else []:
+        split = dataclasses.replace(d, ep=ep)
+        if expert_parallel_problem(split, False, shape.experts) is None:
+            yield split
 
 
 def _data_parallel(dp: int, tp: int, cp: int, pp: int) -> Iterator[tuple[str, ParallelDims]]:
@@ -281,7 +300,7 @@ def search(space: Space, shape: Shape, hw: Hardware, tokens_per_sample: int, mod
                         best: Candidate | None = None
                         for bucket in buckets:
                             w = variant.workload(shape, micro, accum, m, schedule, bucket, space.clip, tokens_per_sample,
-                                                 sp, virtual)
+                                                 sp, virtual, space.expert_imbalance)
                             if not feasible(shape, d, w):
                                 continue
                             p = predict_layout(w, hw, flavour, d, memory_limit, overlap, single, calibration, name)
@@ -305,7 +324,7 @@ def _candidate(p: Prediction, flavour: str, d: ParallelDims, w: Workload, varian
     per_device = p.samples_per_s / d.world_size
     candidate = Candidate(
         strategy=p.strategy, flavour=flavour,
-        dims={"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp},
+        dims={"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp, "ep": d.ep},
         micro_batch=w.micro_batch, grad_accum=w.grad_accum, activation_checkpointing=variant.activation_checkpointing,
         precision=variant.precision, pp_schedule=schedule, microbatches=w.microbatches, bucket_cap_mb=bucket,
         fits=p.fits, memory_per_device_bytes=p.memory_per_device_bytes, step_time_s=p.step_time_s,
@@ -319,22 +338,22 @@ def _candidate(p: Prediction, flavour: str, d: ParallelDims, w: Workload, varian
 
 
 def _with(candidate: Candidate, **changes: object) -> Candidate:
-    import dataclasses
-
     return dataclasses.replace(candidate, **changes)
 
 
 def _simplicity(c: Candidate) -> tuple:
     return (c.non_trivial, strategies.get(c.flavour).simplicity, c.activation_checkpointing != "none", -c.micro_batch,
-            c.dims["tp"], c.dims["pp"], c.dims.get("cp", 1), c.sequence_parallel, c.pp_virtual_stages,
+            c.dims["tp"], c.dims["pp"], c.dims.get("cp", 1), c.dims.get("ep", 1), c.sequence_parallel, c.pp_virtual_stages,
             c.pp_schedule != "1f1b", -c.bucket_cap_mb)
 
 
 def crosses_nodes(c: Candidate, devices_per_node: int | None) -> bool:
-    """Whether the candidate's tensor- or context-parallel group spans nodes (they are the innermost
-    dimensions, cp around tp: their ranks are neighbours, so they cross exactly when tp x cp is
-    larger than a node)."""
-    return devices_per_node is not None and c.dims["tp"] * c.dims.get("cp", 1) > devices_per_node
+    """Whether the candidate's tensor-, context- or expert-parallel group spans nodes (they are the
+    innermost dimensions, cp around tp, an expert group's ranks next to each other around those:
+    their ranks are neighbours, so they cross exactly when tp x cp x ep is larger than a node).
+    All three exchange activations every layer on the critical path."""
+    inner = c.dims["tp"] * c.dims.get("cp", 1) * c.dims.get("ep", 1)
+    return devices_per_node is not None and inner > devices_per_node
 
 
 def rank(candidates: list[Candidate], devices_per_node: int | None = None) -> list[Candidate]:
@@ -377,7 +396,8 @@ def closest_miss(ranked: list[Candidate], memory_limit: float) -> str:
 
 def dims_label(dims: dict[str, int]) -> str:
     """The non-trivial degrees, outermost first: `pp2xtp2`, or `1 device`."""
-    return "x".join(f"{k}{dims[k]}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if dims.get(k, 1) > 1) or "1 device"
+    return "x".join(f"{k}{dims[k]}" for k in ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
+                    if dims.get(k, 1) > 1) or "1 device"
 
 
 def setting_label(dims: dict[str, int], micro_batch: int, grad_accum: int, precision: str, checkpointing: str) -> str:

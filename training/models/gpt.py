@@ -107,14 +107,14 @@ class GPT(nn.Module):
         "norm": "sequence_parallel",
     }
 
-    def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int, ffn_mult: int,
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int, ffn_mult: float,
                  dropout: float = 0.0, experts: Experts | None = None):
         super().__init__()
         if experts is not None:  # the experts are not split by TP: only attention's linears and the norms are
             self._tp_plan = {k: v for k, v in self._tp_plan.items() if ".feed_forward." not in k}
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(vocab_size, d_model)
         self.pos_embeddings: nn.Embedding | None = nn.Embedding(seq_len, d_model)
-        self.layers = nn.ModuleDict({str(i): Block(d_model, n_heads, ffn_mult * d_model, dropout, experts)
+        self.layers = nn.ModuleDict({str(i): Block(d_model, n_heads, round(ffn_mult * d_model), dropout, experts)
                                      for i in range(n_layers)})
         self.norm: nn.LayerNorm | None = nn.LayerNorm(d_model)
         self.output: nn.Linear | None = nn.Linear(d_model, vocab_size, bias=False)
@@ -135,11 +135,12 @@ class GPT(nn.Module):
 
 
 def build(vocab_size: int = 256, seq_len: int = 64, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
-          ffn_mult: int = 4, dropout: float = 0.0, n_experts: int = 0, top_k: int = 2,
+          ffn_mult: float = 4, dropout: float = 0.0, n_experts: int = 0, top_k: int = 2,
           capacity_factor: float | None = None, aux_loss_coef: float = 0.01) -> GPT:
     """The factory `model=gpt-*` names (`_target_: training.models.gpt.build`). `n_experts` > 0 makes
     every block's feed-forward a mixture of that many experts of `ffn_mult` x `d_model` hidden units,
-    `top_k` of them per token (`model=gpt-moe-*`)."""
+    `top_k` of them per token (`model=gpt-moe-*`). `ffn_mult` may be fractional (a two-matrix expert
+    as wide as a published SwiGLU expert's three: 1.5 x its width)."""
     if d_model % n_heads:
         raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
     experts = Experts(n_experts, top_k, capacity_factor, aux_loss_coef) if n_experts else None

@@ -207,10 +207,35 @@ def merge_counts(per_rank: list[dict[str, list[list[int]]]]) -> dict[str, list[l
     return merged
 
 
-def step_imbalance(counts: dict[str, list[list[int]]]) -> list[float]:
-    """Per step, the layers' mean of busiest-expert-over-mean: each layer's experts wait for its
-    busiest one."""
+def step_imbalance(counts: dict[str, list[list[int]]], ranks: int | None = None) -> list[float]:
+    """Per step, the layers' mean of busiest-over-mean: each layer's experts wait for its busiest
+    one; with `ranks`, each layer's experts split into that many contiguous groups (expert
+    parallelism's ranks, training/parallel/ep.py), each group's slots summed: the ranks wait for the
+    busiest."""
     if not counts:
         return []
     layers = list(counts.values())
-    return [sum(load_imbalance(layer[step]) for layer in layers) / len(layers) for step in range(len(layers[0]))]
+
+    def grouped(load: list[int]) -> list[int]:
+        size = len(load) // ranks if ranks else 1
+        return [sum(load[i:i + size]) for i in range(0, len(load), size)]
+
+    return [sum(load_imbalance(grouped(layer[step])) for layer in layers) / len(layers)
+            for step in range(len(layers[0]))]
+
+
+def rank_imbalance(counts: dict[str, list[list[int]]]) -> dict[str, float]:
+    """For each expert-parallel degree > 1 that divides every layer's experts, the steps' mean of
+    step_imbalance over that many ranks (keyed by the degree as text, as JSON keeps it): what the
+    cost model stretches an expert-parallel step by. Routing does not depend on the layout, so a run
+    of any layout measures every degree."""
+    if not counts:
+        return {}
+    experts = {len(steps[0]) for steps in counts.values() if steps}
+    degrees = [ep for ep in range(2, min(experts, default=0) + 1) if all(n % ep == 0 for n in experts)]
+    out = {}
+    for ep in degrees:
+        per_step = step_imbalance(counts, ep)
+        if per_step:
+            out[str(ep)] = sum(per_step) / len(per_step)
+    return out

@@ -14,6 +14,7 @@ reduced together, so the gradient wrappers treat cp as one more data-parallel di
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -40,6 +41,10 @@ class ParallelDims:
     cp: int = 1
     """Context-parallel degree: the ranks each sequence is split over (load-balanced for causal
     attention; training/parallel/cp.py)."""
+    ep: int = 1
+    """Expert-parallel degree: carved out of the data-parallel ranks (dp_size / ep expert groups of
+    ep neighbouring ranks, each splitting every MoE layer's experts: training/parallel/ep.py), so
+    it is no mesh dimension of its own and leaves the world size as it is."""
 
     @classmethod
     def resolve(cls, dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int, cp: int = 1) -> ParallelDims:
@@ -181,11 +186,14 @@ def _slice_2d(mesh: DeviceMesh, outer: DeviceMesh, inner: DeviceMesh) -> DeviceM
 def resolve_dims(strategy: StrategyConfig, world: int) -> ParallelDims:
     """A strategy's degrees on `world` ranks (shapes only: no process group, no torch)."""
     d = strategy.degrees()
-    return ParallelDims.resolve(d["dp_replicate"], d["dp_shard"], d["tp"], d["pp"], world, cp=strategy.cp_degree)
+    dims = ParallelDims.resolve(d["dp_replicate"], d["dp_shard"], d["tp"], d["pp"], world, cp=strategy.cp_degree)
+    return dataclasses.replace(dims, ep=strategy.ep)
 
 
-def expert_parallel_problem(dims: ParallelDims, ep: int, zero1: bool, experts: list[int]) -> str | None:
-    """Why `ep` can't split the experts (`experts`: each MoE layer's count) on `dims`; None when it can."""
+def expert_parallel_problem(dims: ParallelDims, zero1: bool, experts: list[int] | tuple[int, ...]) -> str | None:
+    """Why `dims.ep` can't split the experts (`experts`: each MoE layer's count) on `dims`; None when
+    it can. The trainer's check (pipelines/validate.py) and the search's (training/costmodel.py)."""
+    ep = dims.ep
     if ep == 1:
         return None
     if not experts:

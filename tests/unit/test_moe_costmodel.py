@@ -1,0 +1,168 @@
+"""The rulers for mixtures of experts against hand numbers: states per rank under ep x dp_shard, the
+active parameters' FLOPs, the all-to-all's bytes and calls per layer, the imbalance term, and the
+search over ep (no processes; the trainer's side is tests/dist/test_memory_budget.py's)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from training.anatomy import measure_anatomy
+from training.config import ModelConfig
+from training.costmodel import (
+    Group,
+    Link,
+    MeasuredStep,
+    Shape,
+    StepPrediction,
+    Workload,
+    all_to_all_bytes,
+    comm_time,
+    feasible,
+    group_of,
+    measured_imbalance,
+    state_memory,
+)
+from training.data import first_samples, markov
+from training.models import build_model, model_loss
+from training.models.moe import rank_imbalance, step_imbalance
+from training.models.spec import model_spec
+from training.parallel.dims import ParallelDims
+
+# A model of 1000 dense parameters in its blocks beside 8000 of experts: 2 MoE layers of 8 experts.
+SHAPE = Shape(params=10_000, layers=2, block_linear_params=0, hidden=64, seq_len=32, heads=4,
+              first_stage_params=1000, last_stage_params=0, experts=(8, 8), expert_params=8000, top_k=2,
+              expert_flops_share=0.5)
+DENSE, EXPERTS = 2000, 8000  # the embeddings sit with the blocks' dense part in these counts
+
+
+def states(strategy: str, d: ParallelDims, precision: str = "fp32") -> float:
+    return state_memory(SHAPE, strategy, d, precision).states
+
+
+def test_states_per_rank_under_ep_and_dp_shard_are_the_hand_count():
+    # DDP, fp32 (4 + 4 + 8 bytes a parameter): each rank holds its 8/ep experts whole.
+    assert states("ddp", ParallelDims(dp_replicate=4)) == 16 * (DENSE + EXPERTS)
+    assert states("ddp", ParallelDims(dp_replicate=4, ep=2)) == 16 * (DENSE + EXPERTS / 2)
+    assert states("ddp", ParallelDims(dp_replicate=4, ep=4)) == 16 * (DENSE + EXPERTS / 4)
+    # bf16 under DDP: 2 + 2 + 12.
+    assert states("ddp", ParallelDims(dp_replicate=4, ep=4), "bf16") == 16 * (DENSE + EXPERTS / 4)
+    # FSDP over 4: the rest sharded over dp_shard, the experts (8/ep of them) over their dp/ep
+    # replicas: 16/4 of every parameter whatever ep is.
+    for ep in (1, 2, 4):
+        assert states("zero3", ParallelDims(dp_shard=4, ep=ep)) == pytest.approx(16 * (DENSE + EXPERTS) / 4)
+    # HSDP 2 x 2: the rest sharded over dp_shard=2 only; split experts over all 4 / ep replicas.
+    hsdp = ParallelDims(dp_replicate=2, dp_shard=2)
+    assert states("zero3", hsdp) == pytest.approx(16 * (DENSE + EXPERTS) / 2)
+    assert states("zero3", dataclasses.replace(hsdp, ep=2)) == pytest.approx(16 * DENSE / 2 + 16 * EXPERTS / 4)
+    # ZeRO-2 also keeps each unit's gathered compute copy: this rank's experts, 8/ep of them.
+    assert states("zero2", ParallelDims(dp_shard=4, ep=2)) == pytest.approx(16 * (DENSE + EXPERTS) / 4
+                                                                           + 4 * (DENSE + EXPERTS / 2))
+
+
+def test_the_active_parameters_flops_of_a_top_2_of_8_layer():
+    """One MoE layer of 8 experts (64 -> 256 -> 64), 2 a token: the experts' FLOPs are 6 x 2 of the
+    8 experts' parameters per token, the share of the model's the plan records."""
+    d, seq, vocab = 64, 32, 256
+    cfg = ModelConfig(kwargs=dict(vocab_size=vocab, seq_len=seq, d_model=d, n_layers=1, n_heads=4, n_experts=8,
+                                  top_k=2))
+    with torch.device("meta"):
+        model = build_model(cfg, seed=0)
+    batch = tuple(t.to("meta") for t in first_samples(markov(4, seq, vocab), 2))
+    counted = measure_anatomy(model, model_spec(model, cfg), model_loss(cfg), batch)
+    shape = counted.anatomy.shape
+    per_expert = 2 * d * 4 * d
+    assert shape.experts == (8,) and shape.top_k == 2 and shape.expert_params == 8 * per_expert
+    active = 6 * 2 * per_expert * seq  # per sample
+    assert shape.expert_flops_share * counted.anatomy.flops_per_sample == pytest.approx(active)
+
+
+def test_all_to_all_bytes_and_calls_per_layer():
+    """ep=2 over a 1 GB/s wire with 1 ms a call: per MoE layer and micro-batch, forward the counts'
+    all-to-all and two of the tokens (dispatch, combine), backward two; each of the 4 is micro x seq
+    x top_k x hidden x 2 bytes in bf16, of which (n - 1)/n leave the rank."""
+    wire = Link(alpha_s=1e-3, busbw_gbps=1.0, world=2)
+    micro = 4
+    one = all_to_all_bytes(SHAPE, micro * SHAPE.seq_len, "bf16")
+    assert one == micro * 32 * 2 * 64 * 2
+    d = ParallelDims(dp_shard=2, ep=2)  # ep = dp: no expert replicas to reduce over
+    comm = comm_time(SHAPE, "zero3", d, micro, 1, 1, "bf16", lambda c, g: wire)
+    layers = 2
+    tokens_s = 4 * layers * one * (1 / 2) / 1e9 + 4 * layers * 1e-3
+    counts_s = layers * 8 * 8 * (1 / 2) / 1e9 + layers * 1e-3
+    assert comm.expert_parallel_s == pytest.approx(tokens_s + counts_s)
+    # Full recomputation repeats the forward's three; two accumulation steps double everything.
+    full = comm_time(SHAPE, "zero3", d, micro, 2, 1, "bf16", lambda c, g: wire, recompute="full")
+    assert full.expert_parallel_s == pytest.approx(2 * (6 * layers * one / 2 / 1e9 + 6 * layers * 1e-3)
+                                                   + 2 * (2 * layers * 64 / 2 / 1e9 + 2 * layers * 1e-3))
+    # Without expert parallelism there is no all-to-all.
+    assert comm_time(SHAPE, "zero3", ParallelDims(dp_shard=2), micro, 1, 1, "bf16",
+                     lambda c, g: wire).expert_parallel_s == 0
+
+
+def test_split_experts_are_reduced_over_their_replicas_alone():
+    """DDP at dp 4, ep 2: the experts' gradients (4000 fp32 parameters here) all-reduced over the 2
+    replicas, one call per weight (2 a layer), after backward; the rest over all 4 in DDP's buckets."""
+    wire = Link(alpha_s=0.0, busbw_gbps=1.0, world=2)
+    seen = []
+
+    def link(collective, group):
+        seen.append((collective, group.ranks))
+        return wire
+
+    d = ParallelDims(dp_replicate=4, ep=2)
+    comm = comm_time(SHAPE, "ddp", d, 1, 1, 1, "fp32", link)
+    dense = 4 * DENSE * 2 * 3 / 4 / 1e9
+    experts = 4 * EXPERTS / 2 * 2 * 1 / 2 / 1e9
+    assert comm.data_parallel_s == pytest.approx(dense + experts)
+    assert ("all_reduce", 2) in seen and ("all_reduce", 4) in seen
+    assert comm.tail_s >= experts
+
+
+def test_the_groups_of_an_expert_layout_and_the_tier_they_ride():
+    """ep is carved out of dp, its ranks neighbours: ep=8 on nodes of 8 stays inside one, ep=16
+    crosses; the replicas are ep ranks apart."""
+    d = ParallelDims(dp_shard=64, ep=8)
+    assert group_of(d, "ep", 8) == Group(8, 8)
+    assert group_of(dataclasses.replace(d, ep=16), "ep", 8).nodes == 2
+    assert group_of(d, "edp", 8) == Group(8, 1)  # one per node: 8 ranks apart
+    assert group_of(ParallelDims(dp_shard=4, ep=2), "edp", 8) == Group(2, 2)
+
+
+def test_the_imbalance_stretches_the_experts_share_of_compute_only_under_ep():
+    w = Workload(shape=SHAPE, micro_batch=1, grad_accum=1, microbatches=1, precision="fp32", checkpointing="none",
+                 tokens_per_sample=32, activation_bytes_per_sample=0.0, expert_imbalance=((2, 1.5), (4, 1.8)))
+    assert w.expert_straggler(ParallelDims(dp_shard=4)) == 1.0  # one rank runs every expert
+    assert w.expert_straggler(ParallelDims(dp_shard=4, ep=2)) == pytest.approx(1 + 0.5 * 0.5)
+    assert w.expert_straggler(ParallelDims(dp_shard=4, ep=4)) == pytest.approx(1 + 0.5 * 0.8)
+    assert w.expert_straggler(ParallelDims(dp_shard=8, ep=8)) == 1.0  # not measured: balanced
+
+
+def test_the_imbalance_each_degree_would_see_is_measured_from_the_routed_slots():
+    """Two steps of one layer of 4 experts: at ep=4 the busiest expert over the mean, at ep=2 the
+    busier pair over the mean pair; a plan takes the median of the runs' figures."""
+    counts = {"layers.0": [[6, 2, 0, 0], [2, 2, 2, 2]]}
+    assert step_imbalance(counts) == [3.0, 1.0]
+    assert step_imbalance(counts, 2) == [2.0, 1.0]
+    assert rank_imbalance(counts) == {"2": 1.5, "4": 2.0}  # 3 does not divide 4
+    step = StepPrediction(1.0, 0.0, 0.0)
+    runs = [MeasuredStep("ddp", 2, step, 1.0, ((2, x),)) for x in (1.2, 1.5, 1.4)]
+    assert measured_imbalance(runs) == ((2, 1.4),)
+
+
+def test_the_search_offers_ep_where_the_trainer_can_split_the_experts():
+    from training.search import layouts
+
+    found = {(flavour, d) for flavour, d in layouts(8, SHAPE)}
+    split = {(flavour, d) for flavour, d in found if d.ep > 1}
+    assert {d.ep for _, d in split} == {2, 4, 8}
+    assert all(flavour != "zero1" and d.tp == d.cp == 1 and d.dp_size % d.ep == 0 for flavour, d in split)
+    assert ("zero3", ParallelDims(dp_shard=8, ep=8)) in split
+    assert ("ddp", ParallelDims(dp_replicate=4, pp=2, ep=4)) in split
+    dense = dataclasses.replace(SHAPE, experts=(), expert_params=0)
+    assert not any(d.ep > 1 for _, d in layouts(8, dense))
+    splittable = dataclasses.replace(SHAPE, block_linear_params=1000, tp_sizes=(4, 64))
+    assert feasible(splittable, ParallelDims(dp_shard=2, tp=2), None)
+    assert not feasible(splittable, ParallelDims(dp_shard=2, tp=2, ep=2), None)  # ep with tp: not built
