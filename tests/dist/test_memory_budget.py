@@ -67,7 +67,8 @@ LAYOUTS = {
 }
 
 
-def predicted_and_measured(strategy: StrategyConfig, world: int, tmp_path) -> tuple[float, int]:
+def predicted_and_measured(strategy: StrategyConfig, world: int, tmp_path,
+                           model: ModelConfig = MEASURED_GPT) -> tuple[float, int]:
     """The memory ruler's peak for `strategy` on `world` ranks (the plan's function, from the model
     counted on the meta device), and the highest rank's measured peak of the real train stage."""
     from training.fit import counted, rank_memory
@@ -75,11 +76,11 @@ def predicted_and_measured(strategy: StrategyConfig, world: int, tmp_path) -> tu
     from training.strategies import flavour_of
 
     inputs = dataclasses.replace(train_inputs(strategy, steps=3, timing_warmup=1, global_batch=16),
-                                 model=MEASURED_GPT, data=MEASURED_DATA)
-    workdir = tmp_path / f"{strategy.name}-{world}"
+                                 model=model, data=MEASURED_DATA)
+    workdir = tmp_path / f"{strategy.name}-{strategy.ep}-{world}"
     result = run_world("tests.dist.workers:train_any", (inputs, tempfile.mkdtemp()), world=world, workdir=workdir,
                        memory_budget_gib=4.0)
-    c = counted(MEASURED_GPT, MEASURED_DATA, 0, strategy.precision, strategy.activation_checkpointing)
+    c = counted(model, MEASURED_DATA, 0, strategy.precision, strategy.activation_checkpointing)
     memory = rank_memory(c, strategy, flavour_of(strategy, resolve_dims(strategy, world)), world, result.micro_batch)
     return memory.total, peak_memory(workdir)
 
@@ -104,4 +105,20 @@ def test_the_memory_ruler_predicts_bf16_as_the_trainer_holds_it(tmp_path):
     for name in ("ddp", "zero1", "zero3"):
         predicted, measured = predicted_and_measured(StrategyConfig(name=name, precision="bf16"), 2, tmp_path)
         ratios[name] = predicted / measured
+    assert all(0.9 <= r <= 1.1 for r in ratios.values()), ratios
+
+
+# The same GPT with a mixture of 4 experts (2 a token, no token dropped) in every block.
+MEASURED_MOE = dataclasses.replace(MEASURED_GPT, kwargs=dict(MEASURED_GPT.kwargs, n_experts=4, top_k=2))
+
+
+@pytest.mark.slow
+def test_the_memory_ruler_predicts_a_mixture_of_experts_with_and_without_expert_parallelism(tmp_path):
+    """Experts replicated (ddp), sharded like the rest (zero3), and split over ep=2 under each: the
+    states per rank as `stage_params` counts them (experts / ep), the dispatch buffers among the
+    activations the meta forward saves."""
+    ratios = {}
+    for name, ep in (("ddp", 1), ("ddp", 2), ("zero3", 1), ("zero3", 2)):
+        predicted, measured = predicted_and_measured(StrategyConfig(name=name, ep=ep), 2, tmp_path, MEASURED_MOE)
+        ratios[f"{name} ep={ep}"] = predicted / measured
     assert all(0.9 <= r <= 1.1 for r in ratios.values()), ratios
