@@ -46,11 +46,15 @@ def bench_train_loop() -> list[Row]:
 
 
 def bench_probe() -> list[Row]:
-    """3. The bandwidth stage's all_reduce busbw vs a bare dist.all_reduce loop, same processes."""
+    """3. The bandwidth stage's all_reduce and all_to_all busbw (the all-reduce of data parallelism,
+    the all-to-all of expert parallelism) vs a bare loop of the same collective, same processes."""
     sizes = [1 * MIB, 16 * MIB, 64 * MIB]
-    got = run_world("benchmarks.workers:probe_vs_bare", sizes, world=2, timeout_s=600)
-    return [Row(f"probe fidelity, all_reduce {size // MIB} MiB, world 2 (busbw: probe vs bare loop)",
-                got[size]["ours"], got[size]["theirs"], "GB/s", ">= 0.95") for size in sizes]
+    rows = []
+    for collective in ("all_reduce", "all_to_all"):
+        got = run_world("benchmarks.workers:probe_vs_bare", (collective, sizes), world=2, timeout_s=600)
+        rows += [Row(f"probe fidelity, {collective} {size // MIB} MiB, world 2 (busbw: probe vs bare loop)",
+                     got[size]["ours"], got[size]["theirs"], "GB/s", ">= 0.95") for size in sizes]
+    return rows
 
 
 def bench_cache() -> list[Row]:

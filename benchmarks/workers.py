@@ -62,28 +62,38 @@ def train_vs_hand(inputs: TrainInputs, repeats: int = 5) -> dict:
     return {"ours": statistics.median(ours), "theirs": statistics.median(theirs)}
 
 
-def probe_vs_bare(sizes: list[int], repeats: int = 7, iters: int = 20) -> dict:
-    """all_reduce busbw from the bandwidth probe and from a bare timing loop, per size: warm-up 5
+def probe_vs_bare(job: tuple[str, list[int]], repeats: int = 7, iters: int = 20) -> dict:
+    """`collective`'s busbw from the bandwidth probe and from a bare timing loop, per size: warm-up 5
     and 20 timed iterations as nccl-tests' defaults, the slowest rank's mean time; the two take
-    turns going first (the one that follows a loop meets a warmer link)."""
-    from training.collectives import measure
+    turns going first (the one that follows a loop meets a warmer link). all_to_all sends each
+    rank's whole buffer, 1/n of it to each rank, as nccl-tests' alltoall does."""
+    from training.collectives import bus_factor, measure
 
+    collective, sizes = job
     dev = device()
     n = world_size()
 
     def bare(size: int) -> float:
         tensor = torch.zeros(size // 4, device=dev)
+        received = torch.zeros_like(tensor)
+
+        def once() -> None:
+            if collective == "all_to_all":
+                dist.all_to_all_single(received, tensor)
+            else:
+                dist.all_reduce(tensor)
+
         for _ in range(5):
-            dist.all_reduce(tensor)
+            once()
         synchronize(dev)
         dist.barrier()
         start = time.perf_counter()
         for _ in range(iters):
-            dist.all_reduce(tensor)
+            once()
         synchronize(dev)
         elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return size / elapsed.item() / 1e9 * 2 * (n - 1) / n
+        return size / elapsed.item() / 1e9 * bus_factor(collective, n)
 
     out = {}
     for size in sizes:
@@ -91,7 +101,7 @@ def probe_vs_bare(sizes: list[int], repeats: int = 7, iters: int = 20) -> dict:
         for repeat in range(repeats):
             for which in ("ours", "bare") if repeat % 2 == 0 else ("bare", "ours"):
                 if which == "ours":
-                    ours.append(measure("all_reduce", size, 5, iters, dev).busbw_gbps)
+                    ours.append(measure(collective, size, 5, iters, dev).busbw_gbps)
                 else:
                     theirs.append(bare(size))
         out[size] = {"ours": statistics.median(ours), "theirs": statistics.median(theirs)}
