@@ -122,6 +122,15 @@ def test_ring_all_reduce_volume_and_the_bubble():
     assert link.time("all_reduce", 1e9, 2) == pytest.approx(1e-5 + 1e9 * 1.0 / 10e9)
 
 
+def test_each_collective_pays_its_own_bus_factor_at_finite_bandwidth():
+    """1 GB over 4 ranks of a 10 GB/s link with no latency, by hand: a ring all-reduce moves
+    2 x 3/4 of it, all-gather, reduce-scatter and all-to-all 3/4, a broadcast all of it."""
+    link = Link(alpha_s=0.0, busbw_gbps=10.0, world=4)
+    seconds = {c: link.time(c, 1e9, 4) for c in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")}
+    assert seconds == pytest.approx({"all_reduce": 0.15, "all_gather": 0.075, "reduce_scatter": 0.075,
+                                     "all_to_all": 0.075, "broadcast": 0.1})
+
+
 def test_alpha_beta_fit_recovers_a_known_link():
     truth = Link(alpha_s=50e-6, busbw_gbps=1.3, world=2)
     sizes = [2**k for k in range(3, 27, 2)]
