@@ -88,6 +88,15 @@ def test_ties_go_to_the_simpler_layout():
     assert rank([hybrid, zero3, zero2])[0] is zero2, "within 1 %: fewer degrees, then the plainer sharding"
     assert rank([candidate("zero3", "zero3", 1, 900.0), hybrid])[0] is hybrid, "10 % faster beats simpler"
 
+    # Within 1 % and otherwise alike: the larger micro-batch (fewer, fuller kernels; what a
+    # measured run would favour), then no checkpointing before recomputing.
+    small = dataclasses.replace(zero3, micro_batch=2, tokens_per_s=1000.0)
+    large = dataclasses.replace(zero3, micro_batch=4, tokens_per_s=996.0)
+    assert rank([small, large])[0] is large and rank([large, small])[0] is large
+    recomputing = dataclasses.replace(large, activation_checkpointing="full", tokens_per_s=1000.0)
+    assert rank([recomputing, small])[0] is small, "no recomputation before a larger micro-batch"
+    assert rank([dataclasses.replace(large, tokens_per_s=980.0), small])[0] is small, "2 % faster beats a larger micro-batch"
+
 
 def test_the_search_for_70b_on_1024_devices_recommends_a_fitting_layout(compose_cfg):
     """The model measured once on the meta device, then every layout of 1,024 devices searched.
