@@ -125,3 +125,22 @@ def test_an_fp8_plan_runs_its_linears_at_the_fp8_peak_and_the_rest_at_bf16s(comp
     assert fp8.seconds_per_sample == pytest.approx((rest / 989e12 + cost.float8_flops_per_sample / 1978.9e12) / 0.4)
     assert fp8.peak_flops == 989e12
     assert plan.requested is not None and plan.requested.precision == "fp8"
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_a_mixture_of_experts_is_counted_from_one_layer_and_two_as_its_whole_forward(checkpointing):
+    """The built-in MoE GPT is counted at one and two layers and extended to its depth (a
+    DeepSeek-V3-shaped forward on the meta device takes minutes): every count equals the full
+    forward's at four layers."""
+    import dataclasses
+
+    from training.anatomy import _by_layers, _measure_variant
+
+    cfg = ModelConfig(kwargs=dict(vocab_size=256, seq_len=64, d_model=64, n_layers=4, n_heads=4, n_experts=4, top_k=2))
+    sample = tuple(t.to("meta") for t in first_samples(markov(4, 64, 256), 1))
+    whole = _measure_variant(cfg, 0, sample, "bf16", checkpointing)
+    extended = _by_layers(cfg, 0, sample, "bf16", checkpointing)
+    assert whole.executed_flops_per_sample > 0 and whole.activation_bytes_per_sample > 0
+    counts = [f.name for f in dataclasses.fields(whole) if isinstance(getattr(whole, f.name), float)]
+    assert len(counts) == 8
+    assert {n: getattr(extended, n) for n in counts} == pytest.approx({n: getattr(whole, n) for n in counts}, rel=1e-9)
