@@ -25,7 +25,7 @@ def run(cwd: Path, *args: str) -> dict:
 
 
 def trained_as(train: dict, candidate: dict) -> None:
-    dims = dict(zip(("dp_replicate", "dp_shard", "tp", "pp"), train["dims"], strict=True), cp=train["cp"])
+    dims = dict(zip(("dp_replicate", "dp_shard", "tp", "pp"), train["dims"], strict=True), cp=train["cp"], ep=train["ep"])
     assert dims == candidate["dims"]
     assert {k: train[k] for k in SETTING} == {k: candidate[k] for k in SETTING}
     assert train["strategy"] == candidate["strategy"] and train["strategy_from_plan"]
