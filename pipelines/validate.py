@@ -283,9 +283,6 @@ def _check_strategy(cfg: Config, dims: ParallelDims, facts: ContractFacts) -> No
     problem = expert_parallel_problem(dims, s.shards_optimizer_only, facts.experts)
     if problem is not None:
         raise ConfigError("strategy.ep", s.ep, problem)
-    if s.ep > 1 and cfg.train.ckpt_every:
-        raise ConfigError("train.ckpt_every", cfg.train.ckpt_every, "checkpoints of experts split over ranks "
-                          "(strategy.ep > 1) are not built yet: use 0")
 
 
 def _check_cp(cfg: Config, cp: int, facts: ContractFacts) -> None:

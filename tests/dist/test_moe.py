@@ -1,7 +1,7 @@
 """The built-in mixture-of-experts GPT (model=gpt-moe-tiny's layer, training/models/moe.py) on real
 gloo ranks, its experts replicated or FSDP-sharded like any weight: the same losses as one process
 at the same global batch, and the routed load per expert, summed over the ranks' tokens, what one
-process routes. (Expert parallelism, the experts split over ranks, is not built yet.)"""
+process routes; and with the experts split over ranks (strategy.ep), the same again."""
 
 from __future__ import annotations
 

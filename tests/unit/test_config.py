@@ -48,7 +48,6 @@ BAD = [
     (["model=gpt-moe-tiny", "strategy=pp", "strategy.ep=2"], "strategy.ep=2: must divide the data-parallel size 1"),
     (["model=gpt-moe-tiny", "strategy=hybrid", "strategy.tp=2", "strategy.ep=2", "nodes=4"],
      "strategy.ep=2: expert parallelism with context or tensor parallelism is not built yet"),
-    (["model=gpt-moe-tiny", "strategy.ep=2", "train.ckpt_every=5"], "train.ckpt_every=5: checkpoints of experts"),
     (["strategy.precision=fp8"], "strategy.precision='fp8': is a what-if precision: training Float8 linears is not built"),
     (["plan.precisions=[bf16,fp8]"], "plan.precisions='fp8': is a what-if precision"),
     (["pipeline=plan", "cluster=a100-80g-ib", "strategy.precision=fp8"],

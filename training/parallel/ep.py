@@ -15,9 +15,9 @@ the other weights' average is: one process's gradient at the same global batch.
 
 Composes with DDP, FSDP (the experts sharded over their replicas) and pipeline stages (each stage's
 own expert groups). Built for the built-in MoE layer (training/models/moe.py). Context and tensor
-parallelism with ep,
-zero1's sharded optimizer and distributed checkpoints of split experts are refused up front
-(training/parallel/dims.py's `expert_parallel_problem`, pipelines/validate.py).
+parallelism with ep and zero1's sharded optimizer are refused up front (training/parallel/dims.py's
+`expert_parallel_problem`, pipelines/validate.py). Checkpoints need nothing of their own: the split
+experts are DTensors, which DCP saves under the whole model's names and reshards on load.
 """
 
 from __future__ import annotations
