@@ -280,7 +280,8 @@ def _check_strategy(cfg: Config, dims: ParallelDims, facts: ContractFacts) -> No
         raise ConfigError("strategy.sequence_parallel", True, facts.sp_problem)
     if dims.cp > 1:
         _check_cp(cfg, dims.cp, facts)
-    problem = expert_parallel_problem(dims, s.shards_optimizer_only, facts.experts)
+    problem = facts.ep_problem if s.ep > 1 else None
+    problem = problem or expert_parallel_problem(dims, s.shards_optimizer_only, facts.experts)
     if problem is not None:
         raise ConfigError("strategy.ep", s.ep, problem)
 

@@ -348,7 +348,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     count = min(t.profile_steps, t.timing_warmup - 1, t.steps - first - 1)
     profiler = StepProfiler(first + 1, count, bench.dev) if count > 0 else None
     skipped = 1 if dims.pp > 1 else 0  # a pipeline's first step (of each invocation) infers shapes too
-    loads = ExpertLoads(parallel.model, optimizer, skipped)
+    loads = ExpertLoads({s.name: (s.module, s.n_experts) for s in parallel.expert_sites}, optimizer, skipped)
     sampling = t.system_metrics_s > 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0
     sampler = SystemSampler(t.system_metrics_s, node_id()) if sampling else contextlib.nullcontext()
     with sampler:

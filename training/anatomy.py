@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +27,7 @@ from training.config import ModelConfig
 from training.costmodel import Anatomy, Shape
 from training.memory import AuditRow, SavedActivations, memory_audit
 from training.models import Batch, LossFn, batch_loss, batch_size, build_model, model_loss, tokens_per_sample
-from training.models.moe import MoE
-from training.models.spec import ContractError, ModelSpec, model_spec, tp_divisors
+from training.models.spec import ContractError, ExpertSite, ModelSpec, model_spec, tp_divisors
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 """The dtype a precision holds parameters in (fp8: bf16, each linear cast to Float8 inside its matmul)."""
@@ -132,11 +131,15 @@ def measure_anatomy(model: nn.Module, spec: ModelSpec, loss: LossFn, batch: Batc
 
     hook = watched.register_forward_hook(keep_output)
     saved = SavedActivations(model)
+    sites = expert_sites(model, spec)
+    top_k: dict[str, int] = {}
+    routes = [s.module.register_forward_pre_hook(_record_top_k(top_k, s.name), with_kwargs=True) for s in sites]
     try:
         with FlopCount() as flops, saved, count_attention_calls() as attention:
             batch_loss(model, batch, loss).backward()
     finally:
-        hook.remove()
+        for handle in [hook, *routes]:
+            handle.remove()
         model.zero_grad(set_to_none=True)
     samples = batch_size(batch)
     out = seen.get("out")
@@ -146,9 +149,11 @@ def measure_anatomy(model: nn.Module, spec: ModelSpec, loss: LossFn, batch: Batc
     # Context parallelism splits attention that goes through scaled_dot_product_attention, in a
     # model that takes the true positions of its tokens (training/parallel/cp.py).
     splittable = attention.calls > 0 and takes_position_ids(model) and positions > 1
+    experts = sum(6 * top_k.get(s.name, 0) * count_params(s.module) / s.n_experts for s in sites)
     anatomy = Anatomy(
         shape=dataclasses.replace(shape, context_parallel=splittable, kv_width=attention.kv_width,
-                                  expert_flops_share=expert_flops(model) * positions / max(flops.total / samples, 1)),
+                                  top_k=max(top_k.values(), default=0),
+                                  expert_flops_share=experts * positions / max(flops.total / samples, 1)),
         flops_per_sample=flops.total / samples,
         activation_bytes_per_sample=saved.bytes / samples,
         tokens_per_sample=tokens_per_sample(batch),
@@ -156,11 +161,24 @@ def measure_anatomy(model: nn.Module, spec: ModelSpec, loss: LossFn, batch: Batc
     return Counted(anatomy, flops.convention)
 
 
-def expert_flops(model: nn.Module) -> float:
-    """Forward and backward FLOPs of one token through the routed experts of the model's MoE layers
-    (training/models/moe.py): 6 x the parameters of the top_k experts it is sent to in each (their
-    linears: 2 FLOPs a parameter forward, 4 backward)."""
-    return sum(6 * m.top_k * count_params(m.experts) / m.n_experts for m in model.modules() if isinstance(m, MoE))
+def expert_sites(model: nn.Module, spec: ModelSpec) -> list[ExpertSite]:
+    """The experts modules the model's expert plan names; none where it declares none or its plan
+    does not fit (expert parallelism is then not an option for it)."""
+    try:
+        return spec.experts(model)
+    except ContractError:
+        return []
+
+
+def _record_top_k(seen: dict[str, int], name: str) -> Callable[..., None]:
+    """A pre-hook on an experts module: the experts each token is sent to, as its forward is called
+    (`top_k_index`: tokens x k). Counted, not read from a config: each family names it its own way."""
+
+    def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        seen[name] = int(index.shape[-1])
+
+    return record
 
 
 def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> Shape:
@@ -185,11 +203,10 @@ def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> 
         first, last, pipeline = params - block_params, 0, False
     # Whatever belongs to neither a block nor a declared end (a shared norm, say) sits with the first stage.
     first += params - block_params - first - last
-    moe = [m for m in model.modules() if isinstance(m, MoE)]
+    sites = expert_sites(model, spec)
     return Shape(
-        experts=tuple(m.n_experts for m in moe),
-        expert_params=sum(count_params(m.experts) for m in moe),
-        top_k=max((m.top_k for m in moe), default=0),
+        experts=tuple(s.n_experts for s in sites),
+        expert_params=sum(count_params(s.module) for s in sites),
         params=params,
         layers=len(spec.blocks),
         block_linear_params=split,

@@ -57,6 +57,10 @@ TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", SP_STYLE)
 """Tensor-parallel styles in Hugging Face's words: split a linear by output columns or input rows;
 `_rep` replicates the output of a column split (or expects a replicated input to a row split);
 `sequence_parallel` names a norm that strategy.sequence_parallel runs split by sequence."""
+EP_EXPERTS, EP_WEIGHTS, EP_ROUTER = "ep_dispatch_experts", "grouped_gemm", "ep_router"
+EP_ROLES = (EP_EXPERTS, EP_WEIGHTS, EP_ROUTER)
+"""Expert-parallel roles in Hugging Face's words (`base_model_ep_plan`): the experts module, each of
+its parameters stacked along the experts, the router."""
 
 
 def _check_target(key: str, target: str) -> None:
@@ -107,6 +111,12 @@ class ModelConfig(TargetConfig):
     """Sequence-parallel entries added to whichever tensor-parallel plan applies: module-name pattern
     -> `sequence_parallel`, for the norms of a model whose own plan doesn't name them (Hugging
     Face's base_model_tp_plan). null: the plan's own entries, if any."""
+    ep_plan: dict[str, str] | None = None
+    """Expert-parallel plan, in Hugging Face's `base_model_ep_plan` words: module-name pattern ->
+    `ep_dispatch_experts` (an experts module called as `(tokens, top_k_index, top_k_weights)`),
+    `grouped_gemm` (each of its parameters, stacked along the experts in dim 0) or `ep_router`
+    (accepted; the router stays whole). null takes the model's own (`config.base_model_ep_plan`,
+    `_ep_plan`)."""
     loss: Target | None = None
     """`loss._target_`: a factory returning `fn(output, target) -> scalar`. null: the model's own
     `.loss` when it returns one (Hugging Face, given labels), else cross-entropy of its logits."""
@@ -119,6 +129,8 @@ class ModelConfig(TargetConfig):
             _one_of(f"tp_plan.{pattern}", style, TP_STYLES)
         for pattern, style in (self.sp_plan or {}).items():
             _one_of(f"sp_plan.{pattern}", style, (SP_STYLE,))
+        for pattern, role in (self.ep_plan or {}).items():
+            _one_of(f"ep_plan.{pattern}", role, EP_ROLES)
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,11 @@ class ContractFacts:
     takes_position_ids: bool = False
     """The model's forward accepts `position_ids=` (what context parallelism passes)."""
     experts: list[int] = dataclasses.field(default_factory=list)
-    """Experts of each mixture-of-experts layer expert parallelism can split (training/models/moe.py);
-    empty: none."""
+    """Experts of each experts module the model's expert plan names (training/models/spec.py), which
+    expert parallelism can split; empty: none."""
+    ep_problem: str | None = None
+    """Why the model's expert plan can't be applied (an unknown role, a pattern matching nothing, an
+    experts module's undeclared parameter); None when it can, or it declares none."""
 
 
 def _one_line(err: BaseException) -> str:
@@ -113,11 +116,7 @@ def describe(model_cfg: ModelConfig, data_cfg: DataConfig, seed: int) -> Contrac
     with count_attention_calls() as attention:
         _check_forward(model, model_cfg, data_cfg, batch)
     facts = _declarations(model, model_cfg, data_cfg, dataset, batch, params, checked_on)
-    from training.models.moe import MoE
-
-    experts = [m.n_experts for m in model.modules() if isinstance(m, MoE)]
-    return dataclasses.replace(facts, attention_calls=attention.calls, takes_position_ids=takes_position_ids(model),
-                               experts=experts)
+    return dataclasses.replace(facts, attention_calls=attention.calls, takes_position_ids=takes_position_ids(model))
 
 
 def _dataset(cfg: DataConfig) -> Any:
@@ -244,7 +243,13 @@ def _declarations(model: Any, model_cfg: ModelConfig, data_cfg: DataConfig, data
         sp_problem = None
     except ContractError as err:
         sp_problem = str(err)
+    try:
+        experts, ep_problem = [site.n_experts for site in spec.experts(model)], None
+    except ContractError as err:
+        experts, ep_problem = [], str(err)
     return ContractFacts(
+        experts=experts,
+        ep_problem=ep_problem,
         num_samples=len(dataset),
         item="dict" if isinstance(batch, dict) else "pair",
         tokens_per_sample=tokens_per_sample(batch),

@@ -1,7 +1,8 @@
 """Hugging Face models through the strategies, split by their own declarations: the presets
 model=hf-llama and model=hf-qwen2 (composed from conf/), ddp, zero3, tp and pp (its
 base_model_pp_plan) at world 2 against one process, step for step; the mixtures of experts
-hf-mixtral and hf-qwen3-moe under ddp, zero3 and pp."""
+hf-mixtral and hf-qwen3-moe under ddp, zero3 and pp, and with their experts split over ranks by
+their base_model_ep_plan."""
 
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ pytestmark = pytest.mark.slow
 _RUNS: dict = {}
 
 
-def run(compose_cfg, preset: str, strategy: str, world: int):
-    key = (preset, strategy, world)
+def run(compose_cfg, preset: str, strategy: str, world: int, ep: int = 1):
+    key = (preset, strategy, world, ep)
     if key not in _RUNS:
         cfg = compose_cfg(f"model={preset}", "data.num_samples=256", "data.seq_len=16", "tracking=none")
         train = TrainConfig(steps=6, global_batch=8, lr=1e-2, log_every=3, timing_warmup=2, warmup_steps=2,
                             schedule="constant", grad_clip=0.5)
-        inputs = TrainInputs(train, cfg.model, cfg.data, dataclasses.replace(StrategyConfig(name=strategy)), seed=0)
+        inputs = TrainInputs(train, cfg.model, cfg.data, StrategyConfig(name=strategy, ep=ep), seed=0)
         _RUNS[key] = run_world("tests.dist.workers:train_any", (inputs, tempfile.mkdtemp()), world=world, timeout_s=120)
     return _RUNS[key]
 
@@ -53,6 +54,28 @@ def test_a_hugging_face_mixture_of_experts_at_world_2_matches_one_process(compos
     assert two.world_size == 2 and two.ranks_in_sync
     assert two.losses == pytest.approx(one.losses, **TOL)
     assert one.losses[-1] < one.losses[0]
+    # Their loads are counted from the experts module's calls, as the built-in's are; a pipeline's
+    # first step is not counted (torch's shape inference runs through the experts then).
+    skipped = two.expert_first_step - 1
+    assert skipped == (1 if strategy == "pp" else 0) and len(two.expert_imbalance) == 6 - skipped
+    assert two.expert_imbalance == pytest.approx(one.expert_imbalance[skipped:])
+    if not skipped:
+        assert two.expert_load == one.expert_load, "each rank routes its half of the batch as one process does"
+
+
+@pytest.mark.parametrize("preset", ["hf-mixtral", "hf-qwen3-moe"])
+@pytest.mark.parametrize(("strategy", "world"), [("ddp", 2), ("zero3", 2), ("zero3", 4)])
+def test_a_hugging_face_mixture_of_experts_split_over_ranks_matches_one_process(compose_cfg, preset, strategy, world):
+    """strategy.ep=2 from the model's own base_model_ep_plan: each rank holds half of the experts of
+    every layer (transformers' own experts module, run on this rank's part of its stacked weights),
+    tokens sent to them by all-to-all; at world 4 two expert groups whose replicas reduce them."""
+    one = run(compose_cfg, preset, "ddp", 1)
+    split = run(compose_cfg, preset, strategy, world, ep=2)
+    assert split.ep == 2 and split.world_size == world and split.ranks_in_sync
+    assert split.losses == pytest.approx(one.losses, **TOL)
+    assert split.expert_load == one.expert_load
+    assert len(split.expert_load) == 2, "both layers' experts modules counted"
+    assert split.param_bytes < one.param_bytes, "each rank holds half of the experts"
 
 
 def pretrained_llama(compose_cfg, directory) -> tuple[object, float]:
@@ -87,3 +110,17 @@ def test_a_pretrained_checkpoint_is_read_shard_by_shard_and_trains_as_one_proces
         runs[name] = run_world("tests.dist.workers:train_any", (inputs, tempfile.mkdtemp()), world=world, timeout_s=120)
     assert runs["ddp"].losses[0] == pytest.approx(saved_loss, rel=1e-5), "the checkpoint's weights, not an init"
     assert runs["zero3"].losses == pytest.approx(runs["ddp"].losses, **TOL)
+
+
+@pytest.mark.parametrize("family", ["Mixtral", "Qwen3Moe"])
+def test_the_projects_expert_dispatch_computes_what_transformers_own_does(family):
+    """One plan, two dispatches: the same base_model_ep_plan applied by training/parallel/ep.py and by
+    transformers' own expert parallelism (its all_to_all implementation, which runs on gloo) gives
+    the same outputs, input gradients and expert-weight gradients on each rank's own tokens."""
+    import torch
+
+    ours, theirs = run_world("tests.dist.workers:ep_against_transformers", family, world=2, timeout_s=120)
+    assert torch.allclose(ours[0], theirs[0], atol=1e-6)
+    assert torch.allclose(ours[1], theirs[1], atol=1e-6)
+    for a, b in zip(ours[2], theirs[2], strict=True):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-6)

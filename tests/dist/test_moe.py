@@ -8,9 +8,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from tests.dist.test_strategies import GPT, TOL, run
-from training.config import StrategyConfig
+from training.config import ModelConfig, StrategyConfig
 
 MOE = dataclasses.replace(GPT, kwargs={**GPT.kwargs, "n_experts": 4, "top_k": 2, "aux_loss_coef": 0.0})
 """gpt-tiny's test shape with 4 experts a block, 2 a token. The load-balancing loss is off: each rank
@@ -23,14 +26,14 @@ def test_a_moe_gpt_at_world_2_matches_one_process(name):
     one, two = run(StrategyConfig(name="ddp"), 1, MOE), run(StrategyConfig(name=name), 2, MOE)
     assert two.losses == pytest.approx(one.losses, **TOL)
     assert two.ranks_in_sync
-    assert set(two.expert_load) == {"layers.0.feed_forward", "layers.1.feed_forward"}
+    assert set(two.expert_load) == {"layers.0.feed_forward.experts", "layers.1.feed_forward.experts"}
     assert two.expert_load == one.expert_load, "each rank routes its half of the batch as one process does"
     tokens = 10 * 8 * 16  # steps x global batch x sequence
     assert all(sum(load) == 2 * tokens for load in two.expert_load.values()), "top 2: two slots a token"
     assert len(two.expert_imbalance) == 10 and all(x >= 1.0 for x in two.expert_imbalance)
     assert two.expert_imbalance == pytest.approx(one.expert_imbalance)
     names = {name for name, _, _ in two.metrics()}
-    assert {"moe/imbalance", "moe/imbalance_mean", "moe/load/layers.0.feed_forward"} <= names
+    assert {"moe/imbalance", "moe/imbalance_mean", "moe/load/layers.0.feed_forward.experts"} <= names
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero3"])
@@ -67,3 +70,68 @@ def test_experts_split_on_four_ranks_match_one_process(strategy):
     assert four.expert_imbalance == pytest.approx(one.expert_imbalance[skipped:])
     if not skipped:
         assert four.expert_load == one.expert_load
+
+
+class UserExperts(nn.Module):
+    """A user's experts module, written as Hugging Face writes theirs (called with each token's
+    chosen experts and weights, looping over the experts; its expert count read from its weights)."""
+
+    def __init__(self, n_experts: int, d: int, hidden: int):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(n_experts, d, hidden) * 0.3)
+        self.down = nn.Parameter(torch.randn(n_experts, hidden, d) * 0.3)
+
+    def forward(self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(tokens)
+        for e in range(self.up.shape[0]):
+            token, slot = torch.where(top_k_index == e)
+            y = F.relu(tokens[token] @ self.up[e]) @ self.down[e]
+            out = out.index_add(0, token, y * top_k_weights[token, slot, None])
+        return out
+
+
+class UserLayer(nn.Module):
+    def __init__(self, d: int, n_experts: int, top_k: int):
+        super().__init__()
+        self.norm, self.router = nn.LayerNorm(d), nn.Linear(d, n_experts, bias=False)
+        self.moe, self.top_k = UserExperts(n_experts, d, 2 * d), top_k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x).reshape(-1, x.shape[-1])
+        weights, chosen = F.softmax(self.router(h), dim=-1).topk(self.top_k, dim=-1)
+        return x + self.moe(h, chosen, weights / weights.sum(-1, keepdim=True)).reshape(x.shape)
+
+
+class UserMoE(nn.Module):
+    def __init__(self, vocab_size: int, d: int, n_experts: int, top_k: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, d)
+        self.blocks = nn.ModuleList([UserLayer(d, n_experts, top_k) for _ in range(2)])
+        self.head = nn.Linear(d, vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def user_moe(vocab_size: int = 256, d: int = 32, n_experts: int = 4, top_k: int = 2) -> nn.Module:
+    return UserMoE(vocab_size, d, n_experts, top_k)
+
+
+USER_MOE = ModelConfig(name="user-moe", target="tests.dist.test_moe.user_moe",
+                       ep_plan={"blocks.*.moe": "ep_dispatch_experts", "blocks.*.moe.up": "grouped_gemm",
+                                "blocks.*.moe.down": "grouped_gemm", "blocks.*.router": "ep_router"})
+"""A model of the user's that declares nothing itself: its expert plan comes from `model.ep_plan`."""
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero3"])
+def test_a_users_experts_named_by_model_ep_plan_split_over_2_ranks_match_one_process(name):
+    one = run(StrategyConfig(name="ddp"), 1, USER_MOE)
+    two = run(StrategyConfig(name=name, ep=2), 2, USER_MOE)
+    assert two.ep == 2 and two.ranks_in_sync
+    assert two.losses == pytest.approx(one.losses, **TOL)
+    assert one.losses[-1] < one.losses[0]
+    assert set(two.expert_load) == {"blocks.0.moe", "blocks.1.moe"} and two.expert_load == one.expert_load
+    assert two.param_bytes < one.param_bytes, "each rank holds half of the experts"

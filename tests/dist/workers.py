@@ -91,3 +91,49 @@ def train_crash_once(inputs: object) -> object:
 
     loop.optimizer_step = crashing
     return train_any((inputs, ckpt))
+
+
+def ep_against_transformers(family: str) -> object:
+    """One Mixtral/Qwen3-MoE layer's experts split over the 2 ranks twice, on the same weights and on
+    each rank's own tokens: by the project's dispatch (training/parallel/ep.py) and by transformers'
+    own (transformers.distributed.expert_parallel, all_to_all), both from the model's
+    base_model_ep_plan. Returns rank 0's view: (outputs, input gradients, this rank's expert-weight
+    gradients), each pair (project, transformers)."""
+    import torch
+    import transformers
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    from training.config import ModelConfig
+    from training.models.moe import local_part
+    from training.models.spec import model_spec
+    from training.parallel.dims import ParallelDims
+    from training.parallel.ep import apply_ep, expert_groups
+
+    experts_key = {"Mixtral": "num_local_experts", "Qwen3Moe": "num_experts"}[family]
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, num_experts_per_tok=2, **{experts_key: 4})
+    config._experts_implementation = "eager"
+    groups = expert_groups(ParallelDims(dp_replicate=1, dp_shard=2, tp=1, pp=1, ep=2), 2, "cpu")
+    results = []
+    for side in ("project", "transformers"):
+        torch.manual_seed(0)
+        model = getattr(transformers, f"{family}ForCausalLM")(config)
+        spec = model_spec(model, ModelConfig())
+        sites = spec.experts(model)
+        if side == "project":
+            apply_ep(sites, groups)
+        else:
+            plan = {f"{s.name}.{w}": "grouped_gemm" for s in sites for w in s.weights}
+            plan.update({s.name: "ep_dispatch_experts" for s in sites})
+            tp = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "tp"))["tp"]
+            apply_expert_parallelism(model, groups.mesh["ep"], tp, plan, "all_to_all")
+        block = model.model.layers[0].mlp
+        torch.manual_seed(1 + torch.distributed.get_rank())
+        x = torch.randn(2, 6, 16, requires_grad=True)
+        out = block(x)
+        out = out[0] if isinstance(out, tuple) else out
+        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        weights = [local_part(getattr(sites[0].module, w).grad).clone() for w in sites[0].weights]
+        results.append((out.detach(), x.grad.clone(), weights))
+    return results

@@ -42,7 +42,7 @@ BAD = [
     (["strategy=pp", "strategy.microbatches=3"], "strategy.microbatches=3: must divide the micro-batch of 8"),
     (["strategy=tp", "model=mlp", "data=blobs"], "strategy.tp=2: model=mlp has no tensor-parallel plan"),
     (["strategy.precision=fp16"], "strategy.precision='fp16': needs CUDA"),
-    (["strategy.ep=2"], "strategy.ep=2: the model has no mixture-of-experts layer to split"),
+    (["strategy.ep=2"], "strategy.ep=2: the model declares no experts to split: name its experts modules"),
     (["model=gpt-moe-tiny", "strategy=zero1", "strategy.ep=2"], "strategy.ep=2: zero1's sharded optimizer"),
     (["model=gpt-moe-tiny", "strategy.ep=3", "nodes=3"], "strategy.ep=3: must divide every layer's experts (4)"),
     (["model=gpt-moe-tiny", "strategy=pp", "strategy.ep=2"], "strategy.ep=2: must divide the data-parallel size 1"),

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from training.anatomy import FlopCount
 from training.models.gpt import build
-from training.models.moe import MoE, load_imbalance
+from training.models.moe import LoadCounter, MoE, load_imbalance
 
 D, HIDDEN, E = 8, 16, 4
 
@@ -22,6 +22,7 @@ def layer(top_k: int = 2, capacity_factor: float | None = None, aux_loss_coef: f
     moe = MoE(D, HIDDEN, E, top_k, capacity_factor, aux_loss_coef)
     for w in (moe.experts.w1, moe.experts.w2):
         torch.nn.init.normal_(w, std=0.5)
+    moe.counter = LoadCounter(moe.experts, E)
     return moe
 
 
@@ -44,13 +45,13 @@ def test_each_token_is_the_weighted_sum_of_its_top_k_experts(top_k):
     moe = layer(top_k)
     x = torch.randn(2, 5, D)
     assert torch.allclose(moe(x), by_hand(moe, x), atol=1e-6)
-    assert int(moe.tokens_per_expert.sum()) == 10 * top_k
+    assert int(moe.counter.take().sum()) == 10 * top_k
 
 
 def test_routing_is_deterministic_given_the_weights():
     moe, x = layer(), torch.randn(3, 7, D)
-    first, load = moe(x), moe.tokens_per_expert.clone()
-    assert torch.equal(moe(x), first) and torch.equal(moe.tokens_per_expert, load)
+    first, load = moe(x), moe.counter.take()
+    assert torch.equal(moe(x), first) and torch.equal(moe.counter.take(), load)
 
 
 def test_a_capacity_factor_drops_each_experts_latest_slots():
@@ -68,7 +69,7 @@ def test_a_capacity_factor_drops_each_experts_latest_slots():
                 dropped.add((i, e))
     assert dropped, "the seed routes more than the capacity to some expert"
     assert torch.allclose(moe(x), by_hand(moe, x, dropped), atol=1e-6)
-    assert moe.tokens_per_expert.tolist() == [min(seen.get(e, 0), capacity) for e in range(E)]
+    assert moe.counter.take().tolist() == [min(seen.get(e, 0), capacity) for e in range(E)]
 
 
 def test_the_balance_loss_is_one_when_balanced_and_reaches_only_the_gradient():
@@ -116,15 +117,16 @@ def test_flops_on_meta_count_the_active_parameters():
 
 def test_the_load_counts_each_forward_once_not_checkpointings_recomputation():
     """Two forwards (two micro-batches) add up; a checkpointed forward recomputed in backward does not
-    count again; take_load() resets."""
+    count again; take() resets."""
     from torch.utils.checkpoint import checkpoint
 
     moe, x = layer(), torch.randn(2, 5, D, requires_grad=True)
     moe(x)
-    first = moe.tokens_per_expert.clone()
+    first = moe.counter.take()
+    moe(x)
     checkpoint(moe, x, use_reentrant=False).sum().backward()
-    assert torch.equal(moe.take_load(), 2 * first), "2 forwards of 10 tokens x 2 slots"
-    assert int(moe.take_load().sum()) == 0
+    assert torch.equal(moe.counter.take(), 2 * first), "2 forwards of 10 tokens x 2 slots"
+    assert int(moe.counter.take().sum()) == 0
 
 
 @pytest.mark.parametrize("preset", ["hf-mixtral", "hf-qwen3-moe"])
@@ -174,18 +176,35 @@ def test_the_counting_experts_forward_computes_what_transformers_does():
         assert torch.allclose(p.grad, q.grad, atol=1e-5), name
 
 
-def test_experts_that_get_no_token_stay_in_the_graph():
-    """A rank whose experts receive nothing (expert parallelism after routing collapsed) must still
-    run the all-to-all's backward its peers wait in: the output depends on the input and every
-    expert, with zero gradients."""
-    from training.models.moe import GroupedExperts
+@pytest.mark.parametrize("family", ["builtin", "mixtral"])
+def test_experts_that_get_no_token_stay_in_the_graph(family):
+    """Under expert parallelism a rank whose experts receive nothing (routing collapsed elsewhere)
+    must still run the all-to-all's backward its peers wait in, and hand its replicas a gradient:
+    the local run's output depends on the input and every expert, with zero gradients, for the
+    built-in experts and for Mixtral's (whose forward skips experts no token chose)."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-    experts = GroupedExperts(2, D, HIDDEN)
+    from training.models.moe import GroupedExperts
+    from training.models.spec import ExpertSite
+    from training.parallel.ep import ExpertGroups, ExpertParallel
+
+    if family == "builtin":
+        module, weights = GroupedExperts(2, D, HIDDEN), ("w1", "w2")
+    else:
+        config = MixtralConfig(hidden_size=D, intermediate_size=HIDDEN, num_local_experts=2)
+        module, weights = MixtralExperts(config), ("gate_up_proj", "down_proj")
+        for w in weights:
+            torch.nn.init.normal_(getattr(module, w))
+    local = ExpertParallel(ExpertSite("experts", module, 2, weights), ExpertGroups(mesh=None, ep=1, data_parallel=1))
     x = torch.zeros(0, D, requires_grad=True)
-    out = experts(x, [0, 0])
+    out = local._run_local(x, [0, 0])
     assert out.shape == (0, D) and out.grad_fn is not None
     out.sum().backward()
-    assert x.grad is not None and experts.w1.grad is not None and not experts.w1.grad.any()
+    assert x.grad is not None
+    for w in weights:
+        grad = getattr(module, w).grad
+        assert grad is not None and not grad.any()
 
 
 def test_the_meta_count_is_what_a_real_forward_and_backward_executes():
@@ -195,6 +214,7 @@ def test_the_meta_count_is_what_a_real_forward_and_backward_executes():
     seq = 64
     torch.manual_seed(0)
     real = build(256, seq, 64, 2, 4, 4, n_experts=E, top_k=2)
+    routed = LoadCounter(real.layers["0"].feed_forward.experts, E)
     with torch.device("meta"):
         meta = build(256, seq, 64, 2, 4, 4, n_experts=E, top_k=2)
     tokens = torch.randint(0, 256, (1, seq))
@@ -203,5 +223,5 @@ def test_the_meta_count_is_what_a_real_forward_and_backward_executes():
         with FlopCount() as flops:
             F.cross_entropy(model(t).flatten(0, 1), t.flatten()).backward()
         counts[name] = flops.total
-    assert real.layers["0"].feed_forward.tokens_per_expert.tolist() != [seq * 2 // E] * E, "routing is uneven"
+    assert routed.take().tolist() != [seq * 2 // E] * E, "routing is uneven"
     assert counts["real"] == counts["meta"]

@@ -112,6 +112,9 @@ class GPT(nn.Module):
         super().__init__()
         if experts is not None:  # the experts are not split by TP: only attention's linears and the norms are
             self._tp_plan = {k: v for k, v in self._tp_plan.items() if ".feed_forward." not in k}
+            self._ep_plan = {"layers.*.feed_forward.experts": "ep_dispatch_experts",
+                             "layers.*.feed_forward.experts.w1": "grouped_gemm",
+                             "layers.*.feed_forward.experts.w2": "grouped_gemm"}
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(vocab_size, d_model)
         self.pos_embeddings: nn.Embedding | None = nn.Embedding(seq_len, d_model)
         self.layers = nn.ModuleDict({str(i): Block(d_model, n_heads, round(ffn_mult * d_model), dropout, experts)

@@ -24,6 +24,7 @@ spread evenly over the experts, so FLOPs count the active parameters, top-k expe
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -45,16 +46,24 @@ class AddAuxiliaryLoss(torch.autograd.Function):
 
 
 class GroupedExperts(nn.Module):
-    """E feed-forward experts (d -> h -> d, GELU) as two stacked weights; runs each expert on its
-    contiguous group of tokens."""
+    """E feed-forward experts (d -> h -> d, GELU) as two stacked weights, called as Hugging Face's
+    MoE experts are: `(tokens, top_k_index, top_k_weights)`, each token's k chosen experts (the
+    index E marks a slot dropped over capacity, as transformers marks masked ones) and their
+    weights; out comes each token's weighted sum. Grouping the slots by expert is theirs to do, so
+    expert parallelism (training/parallel/ep.py) can send each group to its expert's rank instead."""
 
     def __init__(self, n_experts: int, d_model: int, hidden: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, d_model, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, d_model))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """`x`: tokens grouped by expert, `counts[e]` of them for this rank's expert e, in order."""
+    def forward(self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        slots = group_by_expert(top_k_index, local_part(self.w1).shape[0], tokens)
+        routed = self.run(tokens[slots.token], slots.counts)
+        return slots.combine(routed, top_k_weights, tokens)
+
+    def run(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """`x`: tokens grouped by expert, `counts[e]` of them for expert e, in order."""
         w1, w2 = local_part(self.w1), local_part(self.w2)  # expert parallelism's shard, as a plain tensor
         # Empty groups too: the output then always depends on `x` and on every expert, so a rank
         # whose experts got no token still runs the all-to-all's backward its peers wait in.
@@ -64,6 +73,41 @@ class GroupedExperts(nn.Module):
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (split experts, their gradients); a plain tensor as it is."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+@dataclass(frozen=True)
+class Slots:
+    """A layer's routed slots (token-major: token i's k slots are i*k ... i*k+k-1) grouped by expert."""
+
+    order: torch.Tensor
+    """The kept slots, by expert, in token order within each expert's group (a stable sort: routing
+    is deterministic given the weights)."""
+    counts: list[int]
+    """Kept slots per expert, in expert order."""
+    top_k: int
+
+    @property
+    def token(self) -> torch.Tensor:
+        """The token each grouped slot carries."""
+        return torch.div(self.order, self.top_k, rounding_mode="floor")
+
+    def combine(self, routed: torch.Tensor, top_k_weights: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Each token's weighted sum of what its kept slots came back with (`routed`, by expert)."""
+        weight = top_k_weights.reshape(-1)[self.order].unsqueeze(-1).to(routed.dtype)
+        return torch.zeros_like(tokens).index_add(0, self.token, (routed * weight).to(tokens.dtype))
+
+
+def group_by_expert(top_k_index: torch.Tensor, n_experts: int, tokens: torch.Tensor) -> Slots:
+    """The slots of `top_k_index` (tokens x k; the index `n_experts` marks a dropped slot) grouped by
+    expert. On the meta device (no router values) the slots are spread evenly over the experts."""
+    flat = top_k_index.reshape(-1)
+    k = top_k_index.shape[-1]
+    if tokens.is_meta:
+        share, rest = divmod(flat.numel(), n_experts)
+        return Slots(torch.arange(flat.numel(), device=flat.device), [share + (i < rest) for i in range(n_experts)], k)
+    kept = torch.nonzero(flat < n_experts).squeeze(-1)
+    order = kept[flat[kept].argsort(stable=True)]
+    return Slots(order, torch.bincount(flat[kept], minlength=n_experts).tolist(), k)
 
 
 class MoE(nn.Module):
@@ -77,11 +121,6 @@ class MoE(nn.Module):
         self.top_k, self.capacity_factor, self.aux_loss_coef = top_k, capacity_factor, aux_loss_coef
         self.router = nn.Linear(d_model, n_experts, bias=False)
         self.experts = GroupedExperts(n_experts, d_model, hidden)
-        self.tokens_per_expert: torch.Tensor | None = None
-        """The last forward's routed slots per expert (after dropping)."""
-        self.load: torch.Tensor | None = None
-        """Routed slots per expert summed over the forwards since take_load() (micro-batches,
-        pipeline microbatches; not checkpointing's recomputation in backward), on the device."""
 
     @property
     def n_experts(self) -> int:
@@ -93,20 +132,10 @@ class MoE(nn.Module):
         probs = F.softmax(self.router(tokens), dim=-1, dtype=torch.float32)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
-        order = self._kept_slots_by_expert(chosen.reshape(-1))
-        token_of = torch.div(order, self.top_k, rounding_mode="floor")
-        counts = self._counts(chosen.reshape(-1)[order], x)
-        routed = self.dispatch(tokens[token_of], counts)
-        slot_weight = weights.reshape(-1)[order].unsqueeze(-1)
-        y = torch.zeros_like(tokens).index_add(0, token_of, routed * slot_weight).reshape(shape)
+        y = self.experts(tokens, self._drop_over_capacity(chosen), weights).reshape(shape)
         if self.training and self.aux_loss_coef and not x.is_meta:
             y = AddAuxiliaryLoss.apply(y, self.aux_loss_coef * self.balance_loss(probs, chosen))
         return y
-
-    def dispatch(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """The experts run on the tokens grouped by expert; expert parallelism replaces this with an
-        all-to-all to the ranks that hold each group's expert and back."""
-        return self.experts(x, counts)
 
     def balance_loss(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Switch Transformer's E x sum_e f_e x P_e over this forward's tokens (1 when balanced)."""
@@ -114,37 +143,16 @@ class MoE(nn.Module):
         share = torch.bincount(chosen.reshape(-1), minlength=e).to(probs.dtype) / chosen.numel()
         return e * (share * probs.mean(dim=0)).sum()
 
-    def _kept_slots_by_expert(self, slot_expert: torch.Tensor) -> torch.Tensor:
-        """The routed slots (token-major: token i's k slots are i*k ... i*k+k-1) the capacity keeps,
-        grouped by expert, in token order within each expert's group."""
-        slots = torch.arange(slot_expert.numel(), device=slot_expert.device)
-        if self.capacity_factor is not None and not slot_expert.is_meta:
-            capacity = math.ceil(self.capacity_factor * slot_expert.numel() / self.n_experts)
-            one_hot = F.one_hot(slot_expert, self.n_experts)
-            place = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1)  # 1-based place in its expert's queue
-            slots = slots[place <= capacity]
-        return slots[slot_expert[slots].argsort(stable=True)]
-
-    def _counts(self, slot_expert: torch.Tensor, x: torch.Tensor) -> list[int]:
-        """Kept slots per expert, in expert order; on the meta device (no router values) spread evenly."""
-        e = self.n_experts
-        if x.is_meta:
-            share, rest = divmod(slot_expert.numel(), e)
-            counts = [share + (i < rest) for i in range(e)]
-            self.tokens_per_expert = None
-            return counts
-        per_expert = torch.bincount(slot_expert, minlength=e)
-        self.tokens_per_expert = per_expert.detach()
-        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
-            self.load = self.tokens_per_expert if self.load is None else self.load + self.tokens_per_expert
-        return per_expert.tolist()
-
-    def take_load(self) -> torch.Tensor:
-        """The slots per expert since the last call (zeros if no forward ran), and reset."""
-        load = self.load if self.load is not None else torch.zeros(self.n_experts, dtype=torch.long,
-                                                                   device=self.router.weight.device)
-        self.load = None
-        return load
+    def _drop_over_capacity(self, chosen: torch.Tensor) -> torch.Tensor:
+        """`chosen` with each slot over its expert's capacity (its latest tokens) marked dropped
+        (the index n_experts)."""
+        if self.capacity_factor is None or chosen.is_meta:
+            return chosen
+        capacity = math.ceil(self.capacity_factor * chosen.numel() / self.n_experts)
+        flat = chosen.reshape(-1)
+        one_hot = F.one_hot(flat, self.n_experts)
+        place = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1)  # 1-based place in its expert's queue
+        return torch.where(place <= capacity, flat, self.n_experts).reshape(chosen.shape)
 
 
 def load_imbalance(tokens_per_expert: torch.Tensor | list[int]) -> float:
@@ -165,13 +173,41 @@ def layer_name(name: str) -> str:
     return name
 
 
-class ExpertLoads:
-    """Each MoE layer's routed slots per expert, step by step, on this rank: collected after every
-    optimizer step (a step post-hook, so the loop is untouched) and kept on the device until
-    `counts()` reads them once, at the end of the run."""
+class LoadCounter:
+    """The routed slots per expert an experts module (one named by the model's expert plan:
+    training/models/spec.py) was sent since the last `take()`, on the device: a forward pre-hook
+    reads its `top_k_index`, so every MoE family is counted alike. Each forward counts once
+    (micro-batches, pipeline microbatches add up); checkpointing's recomputation in backward does
+    not count again; dropped slots (the index n_experts) do not count."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, skip: int = 0):
-        self.layers = {layer_name(n): m for n, m in model.named_modules() if isinstance(m, MoE)}
+    def __init__(self, module: nn.Module, n_experts: int):
+        self.n_experts = n_experts
+        self.load: torch.Tensor | None = None
+        self.device = next(module.parameters()).device
+        self.handle = module.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        if index.is_meta or torch._C._current_graph_task_id() != -1:  # meta, or recomputed inside backward
+            return
+        index = index.reshape(-1)
+        load = torch.bincount(index[index < self.n_experts], minlength=self.n_experts)
+        self.load = load if self.load is None else self.load + load
+
+    def take(self) -> torch.Tensor:
+        """The slots per expert since the last call (zeros if no forward ran), and reset."""
+        load = self.load if self.load is not None else torch.zeros(self.n_experts, dtype=torch.long, device=self.device)
+        self.load = None
+        return load
+
+
+class ExpertLoads:
+    """Each experts module's routed slots per expert, step by step, on this rank: collected after
+    every optimizer step (a step post-hook, so the loop is untouched) and kept on the device until
+    `counts()` reads them once, at the end of the run. `experts`: name -> (module, its experts)."""
+
+    def __init__(self, experts: dict[str, tuple[nn.Module, int]], optimizer: torch.optim.Optimizer, skip: int = 0):
+        self.layers = {layer_name(name): LoadCounter(module, n) for name, (module, n) in experts.items()}
         self.steps: list[torch.Tensor] = []
         self.skip = skip
         """Steps whose loads are dropped: a pipeline's first step also runs torch's shape-inference
@@ -180,7 +216,7 @@ class ExpertLoads:
             optimizer.register_step_post_hook(self._after_step)
 
     def _after_step(self, *_: object) -> None:
-        loads = torch.stack([m.take_load() for m in self.layers.values()])
+        loads = torch.stack([c.take() for c in self.layers.values()])
         if self.skip:
             self.skip -= 1
             return

@@ -18,6 +18,14 @@ The parallel code (training/parallel/) reads these and names no module of any mo
   a stage's missing parts become pass-through placeholders, since Hugging Face's forward calls
   them all, and its forward is adapted (training/models/hf.py: token ids in on the first stage,
   hidden states as `inputs_embeds` on the others, a tensor out).
+- **expert-parallel plan**: module-name patterns in Hugging Face's `base_model_ep_plan` words, from
+  `model.ep_plan`, else the model's `config.base_model_ep_plan` (relative to its base model) or
+  `_ep_plan`: `ep_dispatch_experts` names an experts module called as `(tokens, top_k_index,
+  top_k_weights)` (tokens x d, tokens x k chosen experts with the index E marking a dropped slot,
+  tokens x k weights; out: tokens x d, each token's weighted sum), `grouped_gemm` each of its
+  parameters, stacked along the experts in dim 0; `ep_router` is accepted (the router stays whole:
+  each rank routes its own tokens). Mixtral, Qwen3-MoE and the other transformers MoE families
+  declare it; so does the built-in MoE GPT.
 - **head**: the last part the pipeline layout gives the last stage, when it is a linear layer
   (the output projection: `output`, Hugging Face's `lm_head`). Tensor parallelism splits it by
   vocabulary and keeps its logits split into the loss (torchtitan's loss parallelism), unless its
@@ -32,7 +40,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from training.config import SP_STYLE, TP_STYLES, ModelConfig
+from training.config import EP_EXPERTS, EP_ROLES, EP_WEIGHTS, SP_STYLE, TP_STYLES, ModelConfig
 
 HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads", "n_heads", "num_heads", "n_head")
 """Attributes that hold a head count, on the model's config or on any module: tensor parallelism
@@ -165,18 +173,68 @@ def tp_plan(model: nn.Module, cfg: ModelConfig) -> tuple[dict[str, str], str] | 
 
 
 def _own_plan(model: nn.Module, cfg: ModelConfig) -> tuple[dict[str, str], str] | None:
-    if cfg.tp_plan:
-        return dict(cfg.tp_plan), "model.tp_plan"
+    return _declared(model, cfg.tp_plan, "tp")
+
+
+def _declared(model: nn.Module, given: dict[str, str] | None, kind: str) -> tuple[dict[str, str], str] | None:
+    """The `kind` ("tp", "ep") plan with names from the model's root and where it came from: the
+    config's `model.<kind>_plan`, else the model's `config.base_model_<kind>_plan` (relative to its
+    base model, Hugging Face's), else its class's `_<kind>_plan`; None when none is declared."""
+    if given:
+        return dict(given), f"model.{kind}_plan"
     config = getattr(model, "config", None)
-    base = getattr(config, "base_model_tp_plan", None)
+    base = getattr(config, f"base_model_{kind}_plan", None)
     if base:
         prefix = getattr(model, "base_model_prefix", "")
         root = f"{prefix}." if prefix and hasattr(model, prefix) else ""
-        return {f"{root}{k}": v for k, v in base.items()}, f"{type(config).__name__}.base_model_tp_plan"
-    own = getattr(model, "_tp_plan", None)
+        return {f"{root}{k}": v for k, v in base.items()}, f"{type(config).__name__}.base_model_{kind}_plan"
+    own = getattr(model, f"_{kind}_plan", None)
     if own:
-        return dict(own), f"{type(model).__name__}._tp_plan"
+        return dict(own), f"{type(model).__name__}._{kind}_plan"
     return None
+
+
+@dataclass(frozen=True)
+class ExpertSite:
+    """An experts module the expert-parallel plan names."""
+
+    name: str
+    module: nn.Module
+    n_experts: int
+    weights: tuple[str, ...]
+    """Its parameters (their names in it), each stacked along the experts in dim 0."""
+
+
+def resolve_experts(model: nn.Module, plan: dict[str, str], source: str, whole: bool = True) -> list[ExpertSite]:
+    """The experts modules the plan names, checked: every pattern matches (in a `whole` model: a
+    pipeline stage holds only some), and every parameter of an experts module is declared
+    `grouped_gemm` with the same number of experts along dim 0."""
+    names = {name: module for name, module in model.named_modules() if not isinstance(module, Skipped)}
+    for pattern, role in plan.items():
+        if role not in EP_ROLES:
+            raise ContractError(f"{source}[{pattern!r}]={role!r}: supported roles are {', '.join(EP_ROLES)}")
+    params = dict(model.named_parameters())
+    for pattern in plan if whole else []:
+        if not any(_pattern(pattern).match(n) for n in [*names, *params]):
+            raise ContractError(f"{source}[{pattern!r}] matches no module or parameter of {type(model).__name__}")
+    experts = [p for p, role in plan.items() if role == EP_EXPERTS]
+    stacked = [p for p, role in plan.items() if role == EP_WEIGHTS]
+    sites = []
+    for name, module in names.items():
+        if not any(_pattern(p).match(name) for p in experts):
+            continue
+        own = list(module.named_parameters())
+        undeclared = [n for n, _ in own if not any(_pattern(p).match(f"{name}.{n}") for p in stacked)]
+        if not own or undeclared:
+            raise ContractError(f"{source} names {name} ({type(module).__name__}) {EP_EXPERTS}, but "
+                                f"{f'{name}.{undeclared[0]}' if own else 'it has no parameter'} is not declared "
+                                f"{EP_WEIGHTS}: expert parallelism splits every parameter of it along the experts")
+        counts = {tuple(p.shape)[:1] for _, p in own}
+        if len(counts) != 1 or not next(iter(counts)):
+            raise ContractError(f"{source}: the {EP_WEIGHTS} parameters of {name} do not share one number of "
+                                f"experts in dim 0 ({', '.join(f'{n} {tuple(p.shape)}' for n, p in own)})")
+        sites.append(ExpertSite(name, module, next(iter(counts))[0], tuple(n for n, _ in own)))
+    return sites
 
 
 def _pattern(glob: str) -> re.Pattern[str]:
@@ -320,6 +378,8 @@ class ModelSpec:
     """Set when the model's parameters are still on the meta device, waiting for their shards."""
     split_head: bool = True
     """Whether the loss takes vocabulary-split logits (false for a `model.loss` of the user's own)."""
+    ep_plan: tuple[dict[str, str], str] | None = None
+    """The expert-parallel plan (patterns from the root) and where it came from; None: no plan."""
 
     def live_blocks(self) -> list[Block]:
         """The blocks still in the model (a pipeline stage deletes the others, or skips them)."""
@@ -346,6 +406,11 @@ class ModelSpec:
     def layout(self, model: nn.Module) -> PipelineLayout:
         return pipeline_layout(model, self.blocks)
 
+    def experts(self, model: nn.Module, whole: bool = True) -> list[ExpertSite]:
+        """The experts modules the plan names (those this pipeline stage holds where not `whole`);
+        none without a plan. ContractError for a plan that does not fit the model."""
+        return resolve_experts(model, *self.ep_plan, whole=whole) if self.ep_plan is not None else []
+
     def head(self, model: nn.Module) -> str | None:
         """The output projection tensor parallelism splits by vocabulary, where this (part of the)
         model holds it; None where it has none, or its loss must see whole logits, or the head's
@@ -371,4 +436,5 @@ class ModelSpec:
 
 def model_spec(model: nn.Module, cfg: ModelConfig) -> ModelSpec:
     """Read `model`'s declarations (and the `model` config's overrides of them)."""
-    return ModelSpec(find_blocks(model, cfg.blocks), tp_plan(model, cfg), split_head=cfg.loss is None)
+    return ModelSpec(find_blocks(model, cfg.blocks), tp_plan(model, cfg), split_head=cfg.loss is None,
+                     ep_plan=_declared(model, cfg.ep_plan, "ep"))

@@ -24,7 +24,7 @@ from training import strategies
 from training.config import StrategyConfig
 from training.dist import is_dist, rank, world_size
 from training.models import Batch, LossFn, forward
-from training.models.spec import ModelSpec
+from training.models.spec import ExpertSite, ModelSpec
 from training.models.weights import Weights
 from training.parallel.ac import apply_ac
 from training.parallel.chunks import chunk_blocks, each, parts
@@ -36,7 +36,6 @@ from training.parallel.ep import (
     apply_ep,
     expert_groups,
     expert_params,
-    moe_layers,
     reduce_expert_grads,
     rescale_expert_grads,
 )
@@ -80,6 +79,8 @@ class Parallel:
     after_backward: Callable[[], None] | None = None
     """Run after a step's last backward: the reduction of gradients no wrapper reduces (experts
     split over ranks under DDP, reduced over their replicas alone)."""
+    expert_sites: list[ExpertSite] = dataclasses.field(default_factory=list)
+    """The experts modules this rank holds (the model's expert plan): their loads are counted."""
 
     @property
     def loss_owners(self) -> int:
@@ -141,6 +142,10 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
         model, specs = _split(model, spec, strategy, dims, mesh["pp"])
         first = is_first(mesh["pp"], strategy.pp_schedule, strategy.pp_virtual_stages)
         last = is_last(mesh["pp"], strategy.pp_schedule, strategy.pp_virtual_stages)
+    # Each part's experts modules (a pipeline stage holds some): split under ep, counted always. Named
+    # before checkpointing wraps the blocks (and their names).
+    sites = [part_spec.experts(part, whole=not use.pp) for part, part_spec in zip(parts(model), specs, strict=True)]
+    all_sites = [s for part_sites in sites for s in part_sites]
     split_logits = False
     if use.tp:
         for part, part_spec in zip(parts(model), specs, strict=True):
@@ -153,14 +158,13 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
         apply_ac(spec.live_blocks(), strategy.activation_checkpointing)
     experts = expert_groups(dims, strategy.ep, dev.type) if strategy.ep > 1 and mesh is not None else None
     if experts is not None:
-        for part in parts(model):
-            apply_ep(part, experts)
+        apply_ep(all_sites, experts)
     dp_group = None
     masters: dict[nn.Parameter, torch.Tensor] = {}
     if use.fsdp:
         shard_mesh = fsdp_mesh(mesh, dims, use.cp_replicates)
-        for part, part_spec in zip(parts(model), specs, strict=True):
-            shards = ExpertShards([m.experts for m in moe_layers(part)], experts.replicas) if experts is not None else None
+        for part, part_spec, part_sites in zip(parts(model), specs, sites, strict=True):
+            shards = ExpertShards([s.module for s in part_sites], experts.replicas) if experts is not None else None
             apply_fsdp(part, part_spec.live_blocks(), shard_mesh, strategy.reshard, dtype, shards)
         dp_group = dp_mesh.get_group()
     if spec.pending is not None and not layout_only:
@@ -174,14 +178,14 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
         masters = {new: old for part in parts(model) for new, old in apply_low_precision(part, dtype).items()}
     after_backward = None
     if use.fsdp and experts is not None:
-        after_backward = rescale_expert_grads([p for part in parts(model) for p in expert_params(part)], experts)
+        after_backward = rescale_expert_grads(expert_params(all_sites), experts)
     if use.ddp:
         dp_group = ddp_mesh(mesh, dims).get_group() if mesh is not None else None
         if experts is not None:  # DDP leaves the split experts alone: their replicas reduce them
-            for part in parts(model):
-                own = set(expert_params(part))
+            for part, part_sites in zip(parts(model), sites, strict=True):
+                own = set(expert_params(part_sites))
                 part._ddp_params_and_buffers_to_ignore = [n for n, p in part.named_parameters() if p in own]
-            after_backward = reduce_expert_grads([p for part in parts(model) for p in expert_params(part)], experts)
+            after_backward = reduce_expert_grads(expert_params(all_sites), experts)
         if not layout_only:
             model = each(model, lambda m: apply_ddp(m, dev, strategy.bucket_cap_mb, strategy.find_unused_parameters
                                                     or dims.pp_enabled, process_group=dp_group, force=probe))
@@ -208,7 +212,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
     no_sync = _no_sync(model, use.fsdp)
     timer = time_buckets(parts(model)) if strategy.time_buckets else None
     return Parallel(dims, model, coords["dp"], first, last, forward_backward, no_sync, pp_group, scaler,
-                    strategy.shards_optimizer_only, dp_group, timer, masters, cp, experts, after_backward)
+                    strategy.shards_optimizer_only, dp_group, timer, masters, cp, experts, after_backward, all_sites)
 
 
 class _ScaledLoss:

@@ -197,7 +197,8 @@ def expert_parallel_problem(dims: ParallelDims, zero1: bool, experts: list[int] 
     if ep == 1:
         return None
     if not experts:
-        return "the model has no mixture-of-experts layer to split (training/models/moe.py's MoE)"
+        return ("the model declares no experts to split: name its experts modules and their stacked weights in "
+                "model.ep_plan (ep_dispatch_experts, grouped_gemm), as Hugging Face's base_model_ep_plan does")
     if dims.dp_size % ep:
         return f"must divide the data-parallel size {dims.dp_size} (dp_replicate x dp_shard): ep is carved out of it"
     if any(n % ep for n in experts):

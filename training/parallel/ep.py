@@ -14,7 +14,9 @@ gradients stay); the replicas' sum then covers every data-parallel rank's tokens
 the other weights' average is: one process's gradient at the same global batch.
 
 Composes with DDP, FSDP (the experts sharded over their replicas) and pipeline stages (each stage's
-own expert groups). Built for the built-in MoE layer (training/models/moe.py). Context and tensor
+own expert groups). Applied to whatever experts modules the model's expert plan names
+(training/models/spec.py): the built-in MoE GPT's, Hugging Face's MoE families'
+(`base_model_ep_plan`), a user model's (`model.ep_plan`). Context and tensor
 parallelism with ep and zero1's sharded optimizer are refused up front (training/parallel/dims.py's
 `expert_parallel_problem`, pipelines/validate.py). Checkpoints need nothing of their own: the split
 experts are DTensors, which DCP saves under the whole model's names and reshards on load.
@@ -22,7 +24,8 @@ experts are DTensors, which DCP saves under the whole model's names and reshards
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +33,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from training.models.moe import GroupedExperts, MoE, local_part
+from training.models.moe import group_by_expert, local_part
+from training.models.spec import ExpertSite
 from training.parallel.dims import ParallelDims
 
 
@@ -66,16 +70,16 @@ def expert_groups(dims: ParallelDims, ep: int, device_type: str) -> ExpertGroups
 
 
 class AllToAllExperts:
-    """MoE.dispatch under expert parallelism: each rank's tokens, grouped by expert, go to the rank
-    holding their expert (all-to-all), are regrouped there by local expert, run, and come back."""
+    """Under expert parallelism, the grouped tokens of an experts module: each rank's tokens,
+    grouped by expert, go to the rank holding their expert (all-to-all), are regrouped there by
+    local expert, run by `run_local(tokens, counts per local expert)`, and come back."""
 
-    def __init__(self, experts: GroupedExperts, groups: ExpertGroups, local: int):
-        self.experts, self.groups = experts, groups
+    def __init__(self, run_local: Callable[[torch.Tensor, list[int]], torch.Tensor], groups: ExpertGroups, local: int):
+        self.run_local, self.groups = run_local, groups
         self.local = local
         """Experts a rank holds (read before FSDP gathers them: the shards would say fewer)."""
 
     def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-
         ep, local, group = self.groups.ep, self.local, self.groups.ep_group
         send = torch.tensor(counts, dtype=torch.long, device=x.device).view(ep, local)
         recv = torch.empty_like(send)
@@ -87,9 +91,54 @@ class AllToAllExperts:
         starts = torch.tensor([0, *sizes_flat(sizes)], device=x.device).cumsum(0)
         perm = torch.cat([torch.arange(int(starts[src * local + e]), int(starts[src * local + e]) + sizes[src][e],
                                        device=x.device) for e in range(local) for src in range(ep)])
-        out = self.experts(received[perm], recv.sum(0).tolist())
+        out = self.run_local(received[perm], recv.sum(0).tolist())
         back = out.new_zeros(out.shape).index_copy(0, perm, out)
         return _all_to_all(x.new_empty(sum(send_splits), x.shape[-1]), back, send_splits, recv_splits, group)
+
+
+class ExpertParallel:
+    """An experts module's forward under expert parallelism, for any module the expert plan names
+    (training/models/spec.py's contract: `(tokens, top_k_index, top_k_weights)`, its parameters
+    stacked along the experts): the slots grouped by expert, sent to their experts' ranks and back
+    (AllToAllExperts), and combined with their weights here. On the rank holding them, the module's
+    own forward runs the received tokens, each through its local expert with weight 1, over this
+    rank's part of its parameters."""
+
+    def __init__(self, site: ExpertSite, groups: ExpertGroups):
+        self.site, self.module = site, site.module
+        self.forward = type(site.module).forward
+        """The class's forward, called directly: the module's hooks (FSDP's) run once, around this."""
+        self.local = site.n_experts // groups.ep
+        self.exchange = AllToAllExperts(self._run_local, groups, self.local)
+
+    def __call__(self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        slots = group_by_expert(top_k_index, self.site.n_experts, tokens)
+        routed = self.exchange(tokens[slots.token], slots.counts)
+        return slots.combine(routed, top_k_weights, tokens)
+
+    def _run_local(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        index = torch.repeat_interleave(torch.arange(self.local, device=x.device),
+                                        torch.tensor(counts, device=x.device)).unsqueeze(-1)
+        with _local_parameters(self.module, self.site.weights):
+            out = self.forward(self.module, x, index, torch.ones(index.shape, dtype=x.dtype, device=x.device))
+            # The output made to depend on `x` and on every local expert, even one that got no
+            # token: a rank whose experts got none still runs the all-to-all's backward its peers
+            # wait in, and every expert has a gradient (zeros) for its replicas to reduce.
+            anchor = x.sum() + sum(getattr(self.module, n).sum() for n in self.site.weights)
+        return out + 0.0 * anchor.to(out.dtype)
+
+
+@contextlib.contextmanager
+def _local_parameters(module: nn.Module, names: tuple[str, ...]) -> Iterator[None]:
+    """`module`'s DTensor parameters `names` seen by its forward as this rank's part (differentiable
+    to_local: their gradients reach the DTensors), as torch.func.functional_call swaps them."""
+    saved = {n: module._parameters[n] for n in names}
+    try:
+        for n, p in saved.items():
+            module._parameters[n] = local_part(p)
+        yield
+    finally:
+        module._parameters.update(saved)
 
 
 def _all_to_all(output: torch.Tensor, x: torch.Tensor, output_splits: list[int], input_splits: list[int],
@@ -110,36 +159,31 @@ def sizes_flat(sizes: list[list[int]]) -> list[int]:
     return [n for row in sizes for n in row]
 
 
-def moe_layers(model: nn.Module) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)]
-
-
-def apply_ep(model: nn.Module, groups: ExpertGroups) -> None:
-    """Every MoE layer's experts as DTensors sharded along the experts over the `ep` ranks (each
-    rank computes with its own E/ep), tokens sent to them by all-to-all. As DTensors, a model built
-    on the meta device is initialised whole and cut (training/parallel/materialize.py), FSDP shards
-    them further over their replicas, and the gradient norm sums the ranks' shares."""
+def apply_ep(sites: list[ExpertSite], groups: ExpertGroups) -> None:
+    """Every experts module's parameters as DTensors sharded along the experts over the `ep` ranks
+    (each rank computes with its own E/ep), tokens sent to them by all-to-all (ExpertParallel). As
+    DTensors, a model built on the meta device is initialised whole and cut
+    (training/parallel/materialize.py), FSDP shards them further over their replicas, DCP saves them
+    under the whole model's names, and the gradient norm sums the ranks' shares."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     ep_mesh = groups.mesh["ep"]
-    for name, module in model.named_modules():
-        if not isinstance(module, MoE):
-            continue
-        if module.n_experts % groups.ep:
-            raise ValueError(f"strategy.ep={groups.ep} must divide the {module.n_experts} experts of {name}")
-        experts = module.experts
-        for attr in ("w1", "w2"):
-            whole = getattr(experts, attr)
+    for site in sites:
+        if site.n_experts % groups.ep:
+            raise ValueError(f"strategy.ep={groups.ep} must divide the {site.n_experts} experts of {site.name}")
+        module = site.module
+        for attr in site.weights:
+            whole = getattr(module, attr)
             split = distribute_tensor(whole.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
-            setattr(experts, attr, nn.Parameter(split, requires_grad=whole.requires_grad))
-        module.dispatch = AllToAllExperts(experts, groups, module.n_experts // groups.ep)
+            setattr(module, attr, nn.Parameter(split, requires_grad=whole.requires_grad))
+        if hasattr(module, "num_experts"):  # Hugging Face's experts count their own (E/ep here)
+            module.num_experts = site.n_experts // groups.ep
+        module.forward = ExpertParallel(site, groups)
 
 
-def expert_params(model: nn.Module) -> list[nn.Parameter]:
+def expert_params(sites: list[ExpertSite]) -> list[nn.Parameter]:
     """The experts' parameters (each rank's own share under expert parallelism)."""
-    return [p for layer in moe_layers(model) for p in layer.experts.parameters()]
-
-
+    return [getattr(site.module, n) for site in sites for n in site.weights]
 def reduce_expert_grads(params: list[nn.Parameter], groups: ExpertGroups) -> Callable[[], None]:
     """After the step's last backward, under DDP (which leaves them out): each expert gradient
     summed over its replicas and divided by the data-parallel ranks, as DDP averages the rest."""
