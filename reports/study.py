@@ -100,8 +100,8 @@ def trained_layout(train: TrainResult) -> str:
     """The train result's layout in the words of the plan's candidates."""
     from training.search import setting_label
 
-    return setting_label(dict(zip(DEGREES, train.dims, strict=True)), train.micro_batch, train.grad_accum,
-                         train.precision, train.activation_checkpointing)
+    dims = {**dict(zip(DEGREES, train.dims, strict=True)), "cp": train.cp, "ep": train.ep}
+    return setting_label(dims, train.micro_batch, train.grad_accum, train.precision, train.activation_checkpointing)
 
 
 def latest_per_point(runs: list[StudyRun]) -> list[StudyRun]:

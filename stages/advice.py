@@ -261,7 +261,9 @@ def expert_reason(best: Candidate | None, searched: Searched, hw: Hardware, shap
                   imbalance: tuple[tuple[int, float], ...]) -> str | None:
     """For a mixture-of-experts model: the expert-parallel degree chosen and the ruler that decided,
     against the best layout of the other kind (ep > 1 vs experts whole on every rank): the
-    all-to-all's bytes and time on the tier its group rides, the experts' states per rank, and the
+    all-to-all's bytes (balanced, 4 a layer: dispatch, combine and their gradients) and the
+    prediction's all-to-all time a step (the counts, recomputation and imbalance included) on the
+    tier its group rides, the experts' states per rank, and the
     routing imbalance the prediction used. None for a dense model."""
     if best is None or not shape.experts:
         return None
@@ -274,8 +276,7 @@ def expert_reason(best: Candidate | None, searched: Searched, hw: Hardware, shap
     group = group_of(d, "ep", hw.devices_per_node)
     per_layer = 4 * all_to_all_bytes(shape, split.micro_batch * shape.seq_len, split.precision)
     link = hw.link("all_to_all", group)
-    a2a_s = link.time("all_to_all", per_layer * shape.moe_layers * split.grad_accum, group.ranks,
-                      4 * shape.moe_layers * split.grad_accum)
+    a2a_s = split.prediction.expert_parallel_s
     states = state_memory(shape, split.flavour, d, split.precision).total
     measured = dict(imbalance).get(d.ep)
     skew = (f"routing imbalance {measured:.2f} measured at ep={d.ep}" if measured is not None

@@ -476,12 +476,14 @@ def fsdp_units(shape: Shape) -> int:
 def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, grad_accum: int, microbatches: int,
               precision: str, link: Callable[[str, Group], Link], bucket_cap_bytes: float = 25 * 1024**2,
               clip: bool = False, devices_per_node: int | None = None, sequence_parallel: bool = False,
-              recompute: str = "none", virtual: int = 1) -> Comm:
+              recompute: str = "none", virtual: int = 1, imbalance: float = 1.0) -> Comm:
     """Per-step communication of each strategy in seconds (ZeRO's, Megatron's and GPipe's
     volumes, in the calls each implementation makes: every call pays the link's latency, which is
     what dominates a small model or a slow link); `link(collective, group)` is the α–β model of
     that collective over that group, on the tier it crosses (Hardware.link). Each collective runs
-    over its own mesh dimension's group (group_of) on nodes of `devices_per_node` ranks."""
+    over its own mesh dimension's group (group_of) on nodes of `devices_per_node` ranks.
+    `imbalance`: the busiest expert-parallel rank's routed tokens over the mean rank's
+    (Workload.imbalance_at)."""
     dense, expert_psi = stage_params(shape, d)
     split_experts = d.ep > 1 and expert_psi > 0  # then the experts' traffic goes over their replicas
     psi = dense if split_experts else dense + expert_psi
@@ -534,7 +536,7 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
     if split_experts:
         moe = math.ceil(shape.moe_layers / d.pp)
         edp_s, edp_tail, ep_s = expert_traffic(shape, strategy, d, micro_batch, grad_accum, microbatches, precision,
-                                               expert_psi, moe, call, link, devices_per_node, recompute)
+                                               expert_psi, moe, call, link, devices_per_node, recompute, imbalance)
         dp_s += edp_s
         tail += edp_tail
     activation = activation_tensor_bytes(micro_batch, shape.seq_len, shape.hidden, dtype_bytes) / d.cp
@@ -591,7 +593,7 @@ def all_to_all_bytes(shape: Shape, tokens: float, precision: str) -> float:
 def expert_traffic(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, grad_accum: int,
                    microbatches: int, precision: str, expert_psi: float, moe_layers: int,
                    call: Callable[..., float], link: Callable[[str, Group], Link], devices_per_node: int | None,
-                   recompute: str) -> tuple[float, float, float]:
+                   recompute: str, imbalance: float = 1.0) -> tuple[float, float, float]:
     """(the experts' data-parallel seconds, the part of it after backward, the all-to-alls' seconds)
     of one step on one rank under expert parallelism (training/parallel/ep.py), in the calls it
     makes. Every MoE layer, per micro-batch (and pipeline microbatch): forward one all-to-all of
@@ -599,11 +601,16 @@ def expert_traffic(shape: Shape, strategy: str, d: ParallelDims, micro_batch: in
     recomputation (full or selective: its policy keeps no collective) repeats the forward's three.
     The experts' replicas (dp / ep ranks) reduce-scatter and gather them under FSDP, once per MoE
     layer (their own unit), or all-reduce their gradients after backward under DDP (one call per
-    weight, two a layer: nothing left to hide behind)."""
+    weight, two a layer: nothing left to hide behind).
+
+    Routing decides how much each all-to-all moves: a rank sends its own tokens' slots one way and
+    the slots its experts were sent the other (dispatch and its gradient, combine and its), so in
+    every one of them the busiest expert rank moves `imbalance` times a balanced rank's volume,
+    and the call ends with it."""
     ep_group, edp_group = group_of(d, "ep", devices_per_node), group_of(d, "edp", devices_per_node)
     chunks = grad_accum * (microbatches if d.pp > 1 else 1)
     forwards = 1 + (1 if recompute in ("full", "selective") else 0)
-    tokens = all_to_all_bytes(shape, micro_batch * shape.seq_len, precision) * grad_accum * moe_layers
+    tokens = all_to_all_bytes(shape, micro_batch * shape.seq_len, precision) * grad_accum * moe_layers * imbalance
     calls = moe_layers * chunks
     a2a_s = (call("all_to_all", tokens * (2 * forwards + 2), ep_group, calls * (2 * forwards + 2))
              + call("all_to_all", 8 * max(shape.experts) * calls * forwards, ep_group, calls * forwards))
@@ -843,6 +850,9 @@ class Prediction:
     """Collective calls per step in the model."""
     seconds_per_sample: float = 0.0
     """The hardware's measured compute per sample these components were computed from."""
+    expert_parallel_s: float = 0.0
+    """Of the communication, expert parallelism's all-to-alls a step (Comm.expert_parallel_s),
+    uncalibrated: what the advisor reports for an expert layout."""
 
     @property
     def components(self) -> StepPrediction:
@@ -1092,7 +1102,7 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: ParallelDims, mem
     devices = d.world_size
     comm = comm_time(w.shape, flavour, d, w.micro_batch, w.grad_accum, w.microbatches, w.precision, hw.link,
                      w.bucket_cap_bytes, w.clip, hw.devices_per_node, w.sequence_parallel and d.tp > 1,
-                     w.checkpointing, w.pp_virtual_stages)
+                     w.checkpointing, w.pp_virtual_stages, w.imbalance_at(d.ep))
     per_sample = w.seconds_per_sample if w.seconds_per_sample is not None else hw.seconds_per_sample
     compute = (per_sample * hw.contention(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp * d.cp)
                * w.expert_straggler(d))
@@ -1120,6 +1130,7 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: ParallelDims, mem
         overhead_s=step.overhead_s,
         collective_calls=step.collective_calls,
         seconds_per_sample=hw.seconds_per_sample,
+        expert_parallel_s=comm.expert_parallel_s,
     )
 
 

@@ -135,3 +135,34 @@ def test_a_users_experts_named_by_model_ep_plan_split_over_2_ranks_match_one_pro
     assert one.losses[-1] < one.losses[0]
     assert set(two.expert_load) == {"blocks.0.moe", "blocks.1.moe"} and two.expert_load == one.expert_load
     assert two.param_bytes < one.param_bytes, "each rank holds half of the experts"
+
+
+def test_the_all_to_alls_move_what_the_cost_model_counts():
+    """ep=2 at world 2, 10 steps of 4 sequences of 16 tokens a rank, top 2 of 4 experts, width 32,
+    fp32: every forward all-to-all of a MoE layer (dispatch, combine) sends, summed over the ranks,
+    what costmodel.all_to_all_bytes counts for a rank times the ranks; and in each combine (what
+    a rank's experts were sent, going back) the busiest rank sends the routing imbalance train
+    measures (expert_rank_imbalance at ep 2) times the mean: the factor the cost model scales the
+    all-to-all time by."""
+    import tempfile
+
+    from tests.dist.test_strategies import train_inputs
+    from tests.helpers import run_world
+    from training.anatomy import build_on_meta, measure_anatomy
+    from training.costmodel import all_to_all_bytes
+    from training.models import model_loss
+
+    inputs = (train_inputs(StrategyConfig(name="zero3", ep=2), MOE), tempfile.mkdtemp())
+    result, sent = run_world("tests.dist.workers:train_counting_all_to_alls", inputs, world=2)
+    steps, layers, calls = 10, 2, 2
+    assert [len(s) for s in sent] == [steps * layers * calls] * 2, "dispatch and combine, per layer and step"
+    model, spec = build_on_meta(MOE, 0)  # the shape as the plan measures it (its top_k counted on meta)
+    tokens = torch.zeros(1, 16, dtype=torch.long, device="meta")
+    shape = measure_anatomy(model, spec, model_loss(MOE), (tokens, tokens)).anatomy.shape
+    balanced = all_to_all_bytes(shape, 4 * 16, "fp32")
+    assert balanced == 4 * 16 * 2 * 32 * 4
+    for call in range(steps * layers * calls):
+        assert sent[0][call] + sent[1][call] == 2 * balanced
+    combines = [max(a, b) / (a + b) * 2 for a, b in zip(sent[0][1::2], sent[1][1::2], strict=True)]
+    assert sum(combines) / len(combines) == pytest.approx(result.expert_rank_imbalance["2"], rel=1e-9)
+    assert result.expert_rank_imbalance["2"] > 1.0, "the seed routes unevenly"

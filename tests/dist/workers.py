@@ -137,3 +137,28 @@ def ep_against_transformers(family: str) -> object:
         weights = [local_part(getattr(sites[0].module, w).grad).clone() for w in sites[0].weights]
         results.append((out.detach(), x.grad.clone(), weights))
     return results
+
+
+def train_counting_all_to_alls(inputs: object) -> object:
+    """train_any, with every token all-to-all of expert parallelism (training/parallel/ep.py's
+    forward dispatch and combine) recorded on every rank: (rank 0's result, per rank the bytes
+    each call sent, in call order)."""
+    import torch.distributed as dist
+
+    from training.parallel import ep
+
+    sent: list[int] = []
+    real = ep._all_to_all
+
+    def recorded(output, x, output_splits, input_splits, group):  # noqa: ANN001, ANN202 - ep._all_to_all's own
+        sent.append(x.numel() * x.element_size())
+        return real(output, x, output_splits, input_splits, group)
+
+    ep._all_to_all = recorded
+    try:
+        result = train_any(inputs)
+    finally:
+        ep._all_to_all = real
+    per_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, sent)
+    return result, per_rank

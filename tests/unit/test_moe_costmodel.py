@@ -97,6 +97,10 @@ def test_all_to_all_bytes_and_calls_per_layer():
     full = comm_time(SHAPE, "zero3", d, micro, 2, 1, "bf16", lambda c, g: wire, recompute="full")
     assert full.expert_parallel_s == pytest.approx(2 * (6 * layers * one / 2 / 1e9 + 6 * layers * 1e-3)
                                                    + 2 * (2 * layers * 64 / 2 / 1e9 + 2 * layers * 1e-3))
+    # Routing that sends the busiest rank 1.5x the mean: each all-to-all of tokens moves 1.5x
+    # (the counts' all-to-all does not change).
+    skewed = comm_time(SHAPE, "zero3", d, micro, 1, 1, "bf16", lambda c, g: wire, imbalance=1.5)
+    assert skewed.expert_parallel_s == pytest.approx(1.5 * 4 * layers * one / 2 / 1e9 + 4 * layers * 1e-3 + counts_s)
     # Without expert parallelism there is no all-to-all.
     assert comm_time(SHAPE, "zero3", ParallelDims(dp_shard=2), micro, 1, 1, "bf16",
                      lambda c, g: wire).expert_parallel_s == 0
