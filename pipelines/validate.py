@@ -278,6 +278,10 @@ def _check_strategy(cfg: Config, dims: ParallelDims, facts: ContractFacts) -> No
                           "repeated blocks to checkpoint: name them with model.blocks=<dotted path of the list>")
     if s.sequence_parallel and dims.tp > 1 and facts.sp_problem is not None:
         raise ConfigError("strategy.sequence_parallel", True, facts.sp_problem)
+    if s.sequence_parallel and dims.tp > 1 and facts.experts:
+        raise ConfigError("strategy.sequence_parallel", True, f"model={model} is a mixture of experts, and sequence "
+                          "parallelism would hand its experts a sequence-split DTensor: not built yet; use "
+                          "strategy.sequence_parallel=false (tp with experts whole on every TP rank)")
     if dims.cp > 1:
         _check_cp(cfg, dims.cp, facts)
     problem = facts.ep_problem if s.ep > 1 else None

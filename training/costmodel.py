@@ -815,6 +815,12 @@ class Workload:
         for it). 1 without expert parallelism: one rank runs every expert, whatever the routing."""
         return 1.0 + self.shape.expert_flops_share * (self.imbalance_at(d.ep) - 1.0)
 
+    def tp_unsplit(self, d: ParallelDims) -> float:
+        """How much more than 1/tp of a sample's compute each tensor-parallel rank runs: the routed
+        experts are in no tensor-parallel plan, so every rank of a TP group runs them whole on the
+        same tokens (1 + share x (tp - 1)); 1 for a dense model or tp = 1."""
+        return 1.0 + self.shape.expert_flops_share * (d.tp - 1)
+
     def head_split(self, d: ParallelDims) -> int:
         """Over how many ranks the head's logits and the loss's temporaries are split."""
         return d.tp if self.shape.head_params else 1
@@ -1105,7 +1111,7 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: ParallelDims, mem
                      w.checkpointing, w.pp_virtual_stages, w.imbalance_at(d.ep))
     per_sample = w.seconds_per_sample if w.seconds_per_sample is not None else hw.seconds_per_sample
     compute = (per_sample * hw.contention(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp * d.cp)
-               * w.expert_straggler(d))
+               * w.expert_straggler(d) * w.tp_unsplit(d))
     overhead = hw.strategy_overhead(flavour, devices) * w.grad_accum
     # Each collective follows its share of the step's compute: the stretch the ranks drift over.
     step = step_time(compute, comm, d, w.microbatches, overlap, overhead, w.pp_schedule, w.pp_virtual_stages,

@@ -292,7 +292,8 @@ def search(space: Space, shape: Shape, hw: Hardware, tokens_per_sample: int, mod
         buckets = space.bucket_caps_mb if strategies.get(flavour).wrapper == "ddp" and d.dp_replicate > 1 else (25.0,)
         for variant in space.variants:
             single = 1.0 / variant.seconds_per_sample
-            for sp in ((False, True) if d.tp > 1 else (False,)):
+            # Sequence parallelism hands the experts a sequence-split DTensor: not for a mixture of experts.
+            for sp in ((False, True) if d.tp > 1 and not shape.experts else (False,)):
                 for micro, accum in batch_splits(space, d.dp_size):
                     fitted = False
                     for schedule, virtual, m in pipeline_settings(space, d, micro):

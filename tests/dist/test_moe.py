@@ -53,14 +53,17 @@ def test_experts_split_over_2_ranks_match_one_process(name):
 @pytest.mark.parametrize(
     "strategy",
     [StrategyConfig(name="ddp", ep=2), StrategyConfig(name="zero3", ep=2), StrategyConfig(name="zero3", ep=4),
-     StrategyConfig(name="hybrid", dp_shard=2, pp=2, ep=2, microbatches=2)],
-    ids=["ddp4-ep2", "fsdp4-ep2", "fsdp4-ep4", "pp2xfsdp2-ep2"],
+     StrategyConfig(name="hybrid", dp_shard=2, pp=2, ep=2, microbatches=2),
+     StrategyConfig(name="hybrid", dp_shard=2, tp=2, ep=2),
+     StrategyConfig(name="hybrid", dp_replicate=2, dp_shard=1, tp=2, ep=2)],
+    ids=["ddp4-ep2", "fsdp4-ep2", "fsdp4-ep4", "pp2xfsdp2-ep2", "fsdp2xtp2-ep2", "hsdp2xtp2-ep2"],
 )
 def test_experts_split_on_four_ranks_match_one_process(strategy):
     """At world 4: two expert groups of 2 whose replicas reduce the experts' gradients (DDP: by hand;
-    FSDP: sharded over the 2 replicas), one group of 4, and a pipeline of 2 stages, each with its own
+    FSDP: sharded over the 2 replicas), one group of 4, a pipeline of 2 stages, each with its own
     expert groups (its first step's loads not counted: torch also runs its shape inference through
-    the experts then)."""
+    the experts then), and tensor parallelism of 2 beside ep=2 over the 2 data-parallel ranks (the
+    ranks of a TP group route the same tokens, each in its own expert group)."""
     one, four = run(StrategyConfig(name="ddp"), 1, MOE), run(strategy, 4, MOE)
     assert four.ep == strategy.ep
     assert four.losses == pytest.approx(one.losses, **TOL)

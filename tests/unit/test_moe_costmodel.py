@@ -144,6 +144,21 @@ def test_the_imbalance_stretches_the_experts_share_of_compute_only_under_ep():
     assert w.expert_straggler(ParallelDims(dp_shard=8, ep=8)) == 1.0  # not measured: balanced
 
 
+def test_tensor_parallel_ranks_run_the_experts_whole():
+    """The experts are in no tensor-parallel plan (training/models/gpt.py leaves them out): every TP
+    rank runs them on the same tokens, so of a sample's compute only the dense half here divides by
+    tp. An expert group with tp=4 inside it has its ranks 4 apart: ep=4 spans 2 nodes of 8."""
+    w = Workload(shape=SHAPE, micro_batch=1, grad_accum=1, microbatches=1, precision="fp32", checkpointing="none",
+                 tokens_per_sample=32, activation_bytes_per_sample=0.0)
+    assert SHAPE.expert_flops_share == 0.5
+    assert w.tp_unsplit(ParallelDims(dp_shard=4)) == 1.0
+    assert w.tp_unsplit(ParallelDims(dp_shard=2, tp=2)) == pytest.approx(1.5)  # (0.5 + 0.5 x 2) / 1
+    assert w.tp_unsplit(ParallelDims(dp_shard=2, tp=4, ep=2)) == pytest.approx(2.5)
+    dense = dataclasses.replace(w, shape=dataclasses.replace(SHAPE, expert_flops_share=0.0))
+    assert dense.tp_unsplit(ParallelDims(tp=8)) == 1.0
+    assert group_of(ParallelDims(dp_shard=8, tp=4, ep=4), "ep", 8) == Group(4, 2)
+
+
 def test_the_imbalance_each_degree_would_see_is_measured_from_the_routed_slots():
     """Two steps of one layer of 4 experts: at ep=4 the busiest expert over the mean, at ep=2 the
     busier pair over the mean pair; a plan takes the median of the runs' figures."""
@@ -162,11 +177,13 @@ def test_the_search_offers_ep_where_the_trainer_can_split_the_experts():
     found = {(flavour, d) for flavour, d in layouts(8, SHAPE)}
     split = {(flavour, d) for flavour, d in found if d.ep > 1}
     assert {d.ep for _, d in split} == {2, 4, 8}
-    assert all(flavour != "zero1" and d.tp == d.cp == 1 and d.dp_size % d.ep == 0 for flavour, d in split)
+    assert all(flavour != "zero1" and d.cp == 1 and d.dp_size % d.ep == 0 for flavour, d in split)
     assert ("zero3", ParallelDims(dp_shard=8, ep=8)) in split
     assert ("ddp", ParallelDims(dp_replicate=4, pp=2, ep=4)) in split
     dense = dataclasses.replace(SHAPE, experts=(), expert_params=0)
     assert not any(d.ep > 1 for _, d in layouts(8, dense))
     splittable = dataclasses.replace(SHAPE, block_linear_params=1000, tp_sizes=(4, 64))
     assert feasible(splittable, ParallelDims(dp_shard=2, tp=2), None)
-    assert not feasible(splittable, ParallelDims(dp_shard=2, tp=2, ep=2), None)  # ep with tp: not built
+    assert feasible(splittable, ParallelDims(dp_shard=2, tp=2, ep=2), None)  # ep beside tp trains
+    assert not feasible(dataclasses.replace(splittable, context_parallel=True),
+                        ParallelDims(dp_shard=2, cp=2, ep=2), None)  # ep with cp: not built

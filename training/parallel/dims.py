@@ -203,8 +203,8 @@ def expert_parallel_problem(dims: ParallelDims, zero1: bool, experts: list[int] 
         return f"must divide the data-parallel size {dims.dp_size} (dp_replicate x dp_shard): ep is carved out of it"
     if any(n % ep for n in experts):
         return f"must divide every layer's experts ({', '.join(map(str, sorted(set(experts))))})"
-    if dims.cp > 1 or dims.tp > 1:
-        return "expert parallelism with context or tensor parallelism is not built yet: use cp=1 and tp=1"
+    if dims.cp > 1:
+        return "expert parallelism with context parallelism is not built yet: use cp=1"
     if zero1:
         return ("zero1's sharded optimizer takes every data-parallel rank's parameters as equal, and split experts "
                 "are not: use ddp, zero2, zero3 or hybrid")

@@ -16,8 +16,9 @@ the other weights' average is: one process's gradient at the same global batch.
 Composes with DDP, FSDP (the experts sharded over their replicas) and pipeline stages (each stage's
 own expert groups). Applied to whatever experts modules the model's expert plan names
 (training/models/spec.py): the built-in MoE GPT's, Hugging Face's MoE families'
-(`base_model_ep_plan`), a user model's (`model.ep_plan`). Context and tensor
-parallelism with ep and zero1's sharded optimizer are refused up front (training/parallel/dims.py's
+(`base_model_ep_plan`), a user model's (`model.ep_plan`). Tensor parallelism
+beside ep keeps the experts whole on every TP rank (expert_groups). Context parallelism with ep
+and zero1's sharded optimizer are refused up front (training/parallel/dims.py's
 `expert_parallel_problem`, pipelines/validate.py). Checkpoints need nothing of their own: the split
 experts are DTensors, which DCP saves under the whole model's names and reshards on load.
 """
@@ -61,11 +62,15 @@ class ExpertGroups:
 
 
 def expert_groups(dims: ParallelDims, ep: int, device_type: str) -> ExpertGroups:
-    """The expert mesh. With cp = tp = 1 a rank is pp_index x dp + dp_index and dp_index is
-    edp_index x ep + ep_index: the (pp, dp / ep, ep) mesh in rank order."""
+    """The expert mesh. With cp = 1 a rank is (pp_index x dp + dp_index) x tp + tp_index and
+    dp_index is edp_index x ep + ep_index: the (pp, dp / ep, ep, tp) mesh in rank order. The ranks
+    of a tensor-parallel group route the same tokens (the experts are not in its plan): each runs
+    its own copy of its expert group's all-to-alls with the same ranks of the other TP groups, and
+    their copies of the experts stay equal, with nothing to reduce between them."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (dims.pp, dims.dp_size // ep, ep), mesh_dim_names=("pp", "edp", "ep"))
+    mesh = init_device_mesh(device_type, (dims.pp, dims.dp_size // ep, ep, dims.tp),
+                            mesh_dim_names=("pp", "edp", "ep", "etp"))
     return ExpertGroups(mesh, ep, dims.dp_size)
 
 
