@@ -405,14 +405,12 @@ def counted_on_meta(cfg: PlanInputs):  # noqa: ANN201 - a training.anatomy.Count
     any sequence length): its shape, FLOPs and positions from a plain pass, and the FLOPs'
     convention; the run's activations come from its variant (variant_costs) or its measured step.
     Once per process for the same model, data and micro-batch (as measure_variant)."""
-    from training.anatomy import build_on_meta, measure_anatomy
-    from training.models import model_loss
+    from training.anatomy import count_on_meta
 
     micro_batch = cfg.train.micro_batch_for(data_parallel_size(cfg))
     key = repr((cfg.model, cfg.data, cfg.seed, micro_batch))
     if key not in _COUNTED:
-        model, spec = build_on_meta(cfg.model, cfg.seed)
-        _COUNTED[key] = measure_anatomy(model, spec, model_loss(cfg.model), meta_sample(cfg, micro_batch))
+        _COUNTED[key] = count_on_meta(cfg.model, cfg.seed, meta_sample(cfg, micro_batch))
     return _COUNTED[key]
 
 

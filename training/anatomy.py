@@ -338,19 +338,62 @@ def measure_variant(cfg: ModelConfig, seed: int, sample: Batch, precision: str, 
 BUILTIN_GPT = "training.models.gpt.build"
 
 
+def _uniform_depth(cfg: ModelConfig) -> int | None:
+    """The depth of a model whose counts are extended from one layer and two (_by_layers): the
+    built-in MoE GPT deeper than 2; None for any other model (counted whole)."""
+    layers = cfg.kwargs.get("n_layers")
+    if cfg.target != BUILTIN_GPT or not cfg.kwargs.get("n_experts") or not isinstance(layers, int) or layers <= 2:
+        return None
+    return layers
+
+
+def _at_depth(cfg: ModelConfig, layers: int) -> ModelConfig:
+    return dataclasses.replace(cfg, kwargs=dict(cfg.kwargs, n_layers=layers))
+
+
+def _extended(one: float, two: float, layers: int) -> float:
+    """A count at `layers` layers from the counts at one and two: outside + layers x one block."""
+    return one + (layers - 1) * (two - one)
+
+
 def _by_layers(cfg: ModelConfig, seed: int, sample: Batch, precision: str, checkpointing: str) -> VariantCost:
     """A mixture of experts' meta forward runs every expert of every layer op by op (DeepSeek-V3's
     shape, 256 experts x 61 layers: 197 s for one variant here). The built-in GPT's blocks are all
     alike, so every count is what lies outside the blocks plus the layers times one block's: the
     counts of the same model at one layer and at two give every count of it exactly."""
-    layers = cfg.kwargs.get("n_layers")
-    if cfg.target != BUILTIN_GPT or not cfg.kwargs.get("n_experts") or not isinstance(layers, int) or layers <= 2:
+    layers = _uniform_depth(cfg)
+    if layers is None:
         return _measure_variant(cfg, seed, sample, precision, checkpointing)
-    one, two = (_measure_variant(dataclasses.replace(cfg, kwargs=dict(cfg.kwargs, n_layers=n)), seed, sample,
-                                 precision, checkpointing) for n in (1, 2))
-    counts = {f.name: getattr(one, f.name) + (layers - 1) * (getattr(two, f.name) - getattr(one, f.name))
+    one, two = (_measure_variant(_at_depth(cfg, n), seed, sample, precision, checkpointing) for n in (1, 2))
+    counts = {f.name: _extended(getattr(one, f.name), getattr(two, f.name), layers)
               for f in dataclasses.fields(VariantCost) if isinstance(getattr(one, f.name), float)}
     return dataclasses.replace(one, **counts)
+
+
+def count_on_meta(cfg: ModelConfig, seed: int, batch: Batch) -> Counted:
+    """measure_anatomy of the model built on the meta device at its real shape. The built-in MoE
+    GPT is run at one layer and at two (its meta forward runs every expert op by op: 94 s for
+    DeepSeek-V3's shape here) and its FLOPs and saved bytes extended to its depth, exactly as
+    _by_layers does; its Shape is read from the whole model, built but not run."""
+    layers = _uniform_depth(cfg)
+    if layers is None:
+        model, spec = build_on_meta(cfg, seed)
+        return measure_anatomy(model, spec, model_loss(cfg), batch)
+    counted = [count_on_meta(_at_depth(cfg, n), seed, batch) for n in (1, 2)]
+    one, two = (c.anatomy for c in counted)
+    flops = _extended(one.flops_per_sample, two.flops_per_sample, layers)
+    model, spec = build_on_meta(cfg, seed)
+    sites = expert_sites(model, spec)
+    small = one.shape
+    experts = sum(6 * small.top_k * count_params(s.module) / s.n_experts for s in sites)
+    shape = dataclasses.replace(shape_of(model, spec, small.hidden, small.seq_len),
+                                context_parallel=small.context_parallel, kv_width=small.kv_width, top_k=small.top_k,
+                                expert_flops_share=experts * small.seq_len / max(flops, 1))
+    anatomy = Anatomy(shape=shape, flops_per_sample=flops,
+                      activation_bytes_per_sample=_extended(one.activation_bytes_per_sample,
+                                                            two.activation_bytes_per_sample, layers),
+                      tokens_per_sample=one.tokens_per_sample)
+    return Counted(anatomy, counted[0].flops_convention)
 
 
 def _measure_variant(cfg: ModelConfig, seed: int, sample: Batch, precision: str, checkpointing: str) -> VariantCost:

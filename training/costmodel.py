@@ -699,6 +699,10 @@ class Hardware:
     node-local TP layout): what one rank's share of the node's NICs carries. Measured by the
     bandwidth stage where there are several ranks per node; else (a preset) the node's figure over
     its devices: one NIC per GPU, as DGX-class nodes are built."""
+    _links: dict[tuple[str, Group], Link] = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                                              compare=False)
+    """link()'s answers, kept: a search asks for the same few millions of times (a copy made by
+    dataclasses.replace starts empty)."""
 
     def contention(self, world: int) -> float:
         """How much slower one rank's CPU work runs when `world` ranks run: 1 on GPUs; on a CPU
@@ -728,6 +732,12 @@ class Hardware:
         NICs the group's ranks of a node bring (each rank its share: inter_single per rank, at most
         the full node's figure), the latency of the hops across nodes. With nothing measured (a
         world of one) only single-rank calls, which cost nothing, can be asked for."""
+        key = (collective, group)
+        if key not in self._links:
+            self._links[key] = self._link(collective, group)
+        return self._links[key]
+
+    def _link(self, collective: str, group: Group) -> Link:
         if group.nodes <= 1:
             found = _pick(self.intra, collective) or _pick(self.inter, collective)
         else:

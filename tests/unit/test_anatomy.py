@@ -144,3 +144,25 @@ def test_a_mixture_of_experts_is_counted_from_one_layer_and_two_as_its_whole_for
     counts = [f.name for f in dataclasses.fields(whole) if isinstance(getattr(whole, f.name), float)]
     assert len(counts) == 8
     assert {n: getattr(extended, n) for n in counts} == pytest.approx({n: getattr(whole, n) for n in counts}, rel=1e-9)
+
+
+def test_a_mixture_of_experts_anatomy_from_one_layer_and_two_is_its_whole_forwards():
+    """The plan's anatomy of the built-in MoE GPT (count_on_meta) counted at one and two layers and
+    extended, its Shape read from the whole model: the same FLOPs, saved bytes and Shape as a
+    counted forward of the whole model at four layers, the experts' share of FLOPs included."""
+    from training.anatomy import build_on_meta, count_on_meta, measure_anatomy
+    from training.models import model_loss
+
+    cfg = ModelConfig(kwargs=dict(vocab_size=256, seq_len=64, d_model=64, n_layers=4, n_heads=4, n_experts=4, top_k=2))
+    sample = tuple(t.to("meta") for t in first_samples(markov(4, 64, 256), 1))
+    model, spec = build_on_meta(cfg, 0)
+    whole = measure_anatomy(model, spec, model_loss(cfg), sample)
+    extended = count_on_meta(cfg, 0, sample)
+    assert extended.flops_convention == whole.flops_convention
+    a, b = extended.anatomy, whole.anatomy
+    assert a.flops_per_sample == pytest.approx(b.flops_per_sample, rel=1e-9)
+    assert a.activation_bytes_per_sample == pytest.approx(b.activation_bytes_per_sample, rel=1e-9)
+    assert a.tokens_per_sample == b.tokens_per_sample
+    assert b.shape.experts == (4,) * 4 and b.shape.top_k == 2 and 0 < b.shape.expert_flops_share < 1
+    assert a.shape.expert_flops_share == pytest.approx(b.shape.expert_flops_share, rel=1e-9)
+    assert dataclasses.replace(a.shape, expert_flops_share=0.0) == dataclasses.replace(b.shape, expert_flops_share=0.0)
