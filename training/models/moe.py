@@ -59,11 +59,12 @@ class GroupedExperts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         slots = group_by_expert(top_k_index, local_part(self.w1).shape[0], tokens)
-        routed = self.run(tokens[slots.token], slots.counts)
+        routed = self.forward_grouped(tokens[slots.token], slots.counts)
         return slots.combine(routed, top_k_weights, tokens)
 
-    def run(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """`x`: tokens grouped by expert, `counts[e]` of them for expert e, in order."""
+    def forward_grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """`x`: tokens grouped by expert, `counts[e]` of them for expert e, in order; out, each
+        token's expert output, unweighted (what expert parallelism calls on the received tokens)."""
         w1, w2 = local_part(self.w1), local_part(self.w2)  # expert parallelism's shard, as a plain tensor
         # Empty groups too: the output then always depends on `x` and on every expert, so a rank
         # whose experts got no token still runs the all-to-all's backward its peers wait in.

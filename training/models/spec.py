@@ -22,7 +22,9 @@ The parallel code (training/parallel/) reads these and names no module of any mo
   `model.ep_plan`, else the model's `config.base_model_ep_plan` (relative to its base model) or
   `_ep_plan`: `ep_dispatch_experts` names an experts module called as `(tokens, top_k_index,
   top_k_weights)` (tokens x d, tokens x k chosen experts with the index E marking a dropped slot,
-  tokens x k weights; out: tokens x d, each token's weighted sum), `grouped_gemm` each of its
+  tokens x k weights; out: tokens x d, each token's weighted sum; optionally also
+  `forward_grouped(tokens grouped by expert, counts)`, which expert parallelism then calls on the
+  tokens it received), `grouped_gemm` each of its
   parameters, stacked along the experts in dim 0; `ep_router` is accepted (the router stays whole:
   each rank routes its own tokens). Mixtral, Qwen3-MoE and the other transformers MoE families
   declare it; so does the built-in MoE GPT.
