@@ -149,7 +149,7 @@ def measure_anatomy(model: nn.Module, spec: ModelSpec, loss: LossFn, batch: Batc
     # Context parallelism splits attention that goes through scaled_dot_product_attention, in a
     # model that takes the true positions of its tokens (training/parallel/cp.py).
     splittable = attention.calls > 0 and takes_position_ids(model) and positions > 1
-    experts = sum(6 * top_k.get(s.name, 0) * count_params(s.module) / s.n_experts for s in sites)
+    experts = expert_flops_per_token(sites, top_k)
     anatomy = Anatomy(
         shape=dataclasses.replace(shape, context_parallel=splittable, kv_width=attention.kv_width,
                                   top_k=max(top_k.values(), default=0),
@@ -168,6 +168,13 @@ def expert_sites(model: nn.Module, spec: ModelSpec) -> list[ExpertSite]:
         return spec.experts(model)
     except ContractError:
         return []
+
+
+def expert_flops_per_token(sites: list[ExpertSite], top_k: dict[str, int]) -> float:
+    """Forward and backward FLOPs of one token through the routed experts: in each experts module,
+    6 x the parameters of the `top_k[name]` experts it is sent to (2 FLOPs a parameter forward, 4
+    backward)."""
+    return sum(6 * top_k.get(s.name, 0) * count_params(s.module) / s.n_experts for s in sites)
 
 
 def _record_top_k(seen: dict[str, int], name: str) -> Callable[..., None]:
@@ -385,7 +392,7 @@ def count_on_meta(cfg: ModelConfig, seed: int, batch: Batch) -> Counted:
     model, spec = build_on_meta(cfg, seed)
     sites = expert_sites(model, spec)
     small = one.shape
-    experts = sum(6 * small.top_k * count_params(s.module) / s.n_experts for s in sites)
+    experts = expert_flops_per_token(sites, {s.name: small.top_k for s in sites})
     shape = dataclasses.replace(shape_of(model, spec, small.hidden, small.seq_len),
                                 context_parallel=small.context_parallel, kv_width=small.kv_width, top_k=small.top_k,
                                 expert_flops_share=experts * small.seq_len / max(flops, 1))
