@@ -63,8 +63,9 @@ def test_a_hugging_face_mixture_of_experts_at_world_2_matches_one_process(compos
         assert two.expert_load == one.expert_load, "each rank routes its half of the batch as one process does"
 
 
-@pytest.mark.parametrize("preset", ["hf-mixtral", "hf-qwen3-moe"])
-@pytest.mark.parametrize(("strategy", "world"), [("ddp", 2), ("zero3", 2), ("zero3", 4)])
+@pytest.mark.parametrize(("preset", "strategy", "world"),
+                         [("hf-mixtral", "ddp", 2), ("hf-mixtral", "zero3", 2), ("hf-mixtral", "zero3", 4),
+                          ("hf-qwen3-moe", "ddp", 2), ("hf-qwen3-moe", "zero3", 2)])
 def test_a_hugging_face_mixture_of_experts_split_over_ranks_matches_one_process(compose_cfg, preset, strategy, world):
     """strategy.ep=2 from the model's own base_model_ep_plan: each rank holds half of the experts of
     every layer (transformers' own experts module, run on this rank's part of its stacked weights),
