@@ -127,7 +127,8 @@ class PlanResult:
     candidates: list[Candidate]
     """The best candidates, best first (at most ten, the fitting ones first)."""
     evaluated: int
-    """How many predictions the search made."""
+    """How many settings the search held against the memory ruler (those that fit, and each layout's
+    least-memory miss, also predicted in time)."""
     variants: list[Variant]
     """Each precision and checkpointing setting searched, with its compute and activations per sample."""
     predictions: list[Prediction]

@@ -18,6 +18,7 @@ questions for a 70B model on 512 GPUs in milliseconds. Sources of the formulas:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 from collections.abc import Callable
@@ -1080,17 +1081,25 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
 
 def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:
     """One rank's memory at the peak of a step, term by term, as the trainer allocates it."""
-    states = state_memory(w.shape, strategy, d, w.precision)
-    masters = w.precision in BF16_PARAMS and not d.uses_fsdp  # the optimizer holds fp32 masters beside the moments
-    per_updated = MOMENT_BYTES + (MASTER_BYTES if masters else 0)
-    buckets = d.dp_replicate_enabled and not d.uses_fsdp  # DDP: gradients are views of its buckets
     # The loss's temporaries: on the stage that computes the loss, per microbatch in flight there.
     temps = w.loss_temps(d) * w.micro_batch / (w.microbatches if d.pp > 1 else 1)
-    return dataclasses.replace(states, activation_bytes=activation_memory(w, d), loss_temp_bytes=temps,
-                               grads_in_backward=states.grad_bytes if buckets else 0.0,
-                               gathered_root_bytes=fsdp_gathered_root(w.shape, strategy, d, w.precision),
-                               working_bytes=fsdp_working_set(w.shape, strategy, d, w.precision),
-                               tail_bytes=max(fsdp_root_reduce(w.shape, d, w.precision),
+    return dataclasses.replace(layout_memory(w.shape, strategy, d, w.precision),
+                               activation_bytes=activation_memory(w, d), loss_temp_bytes=temps)
+
+
+@functools.lru_cache(maxsize=4096)
+def layout_memory(shape: Shape, strategy: str, d: ParallelDims, precision: str) -> Memory:
+    """The terms of one rank's peak that the batch doesn't change (states, FSDP's gathered root and
+    working set, what is reduced or updated after backward): kept per layout, since the search
+    holds every micro-batch, schedule and checkpointing of a layout against them."""
+    states = state_memory(shape, strategy, d, precision)
+    masters = precision in BF16_PARAMS and not d.uses_fsdp  # the optimizer holds fp32 masters beside the moments
+    per_updated = MOMENT_BYTES + (MASTER_BYTES if masters else 0)
+    buckets = d.dp_replicate_enabled and not d.uses_fsdp  # DDP: gradients are views of its buckets
+    return dataclasses.replace(states, grads_in_backward=states.grad_bytes if buckets else 0.0,
+                               gathered_root_bytes=fsdp_gathered_root(shape, strategy, d, precision),
+                               working_bytes=fsdp_working_set(shape, strategy, d, precision),
+                               tail_bytes=max(fsdp_root_reduce(shape, d, precision),
                                               optimizer_step_bytes(states.optim_bytes / per_updated)))
 
 

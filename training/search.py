@@ -31,7 +31,9 @@ from training.costmodel import (
     Shape,
     Workload,
     feasible,
+    memory_per_device,
     predict_layout,
+    state_memory,
 )
 from training.parallel.dims import ParallelDims, expert_parallel_problem
 from training.units import GIB
@@ -172,7 +174,8 @@ class Searched:
     ranked: list[Candidate]
     """Every candidate kept (the best per layout and setting), best first: fitting ones first."""
     evaluated: int
-    """Predictions the search made."""
+    """Settings the search held against the memory ruler (those that fit, and the least-memory ones
+    that don't, also predicted in time)."""
 
     def best_per_layout(self, limit: int) -> list[Candidate]:
         """The fastest fitting setting of each layout (flavour and degrees), best first: what trials
@@ -282,7 +285,16 @@ def search(space: Space, shape: Shape, hw: Hardware, tokens_per_sample: int, mod
            memory_limit: float, overlap: float,
            calibration: Calibration | None = None, command_prefix: str = "") -> Searched:
     """Every candidate's prediction; the best fitting setting of each layout, ranked. A candidate's
-    scaling efficiency is against one device running the same setting."""
+    scaling efficiency is against one device running the same setting.
+
+    The memory ruler prunes before the time is predicted (most settings of a large world don't fit:
+    99 % of a DeepSeek-V3-sized search's). Every setting that fits, at the largest micro-batch of
+    its layout and setting that does, is predicted, so the ranking of those is what exhaustive
+    search gives. Of a layout and setting of which nothing fits, one candidate is kept: the least
+    memory of each schedule's smallest feasible micro-batch (what the reasons and `closest_miss`
+    quote); one whose parameters, gradients and optimizer state alone exceed the limit (a floor
+    under every micro-batch, schedule and checkpointing) is walked from there alone.
+    tests/unit/test_search.py holds this against an exhaustive walk."""
     kept: list[Candidate] = []
     evaluated = 0
     for flavour, d in layouts(space.world, shape, space.context_parallel):
@@ -292,31 +304,56 @@ def search(space: Space, shape: Shape, hw: Hardware, tokens_per_sample: int, mod
         buckets = space.bucket_caps_mb if strategies.get(flavour).wrapper == "ddp" and d.dp_replicate > 1 else (25.0,)
         for variant in space.variants:
             single = 1.0 / variant.seconds_per_sample
+            hopeless = state_memory(shape, flavour, d, variant.precision).states > memory_limit
             # Sequence parallelism hands the experts a sequence-split DTensor: not for a mixture of experts.
             for sp in ((False, True) if d.tp > 1 and not shape.experts else (False,)):
-                for micro, accum in batch_splits(space, d.dp_size):
-                    fitted = False
+                def workload(micro: int, accum: int, schedule: str, virtual: int, m: int, bucket: float) -> Workload:
+                    return variant.workload(shape, micro, accum, m, schedule, bucket, space.clip, tokens_per_sample,
+                                            sp, virtual, space.expert_imbalance)
+
+                def predicted(setting: tuple[int, int, str, int, int]) -> Candidate | None:
+                    """The setting's prediction under its best bucket (DDP's buckets are a knob of one
+                    layout, not layouts of their own)."""
+                    micro, accum, schedule, _, _ = setting
+                    best: Candidate | None = None
+                    for bucket in buckets:
+                        w = workload(*setting, bucket)
+                        p = predict_layout(w, hw, flavour, d, memory_limit, overlap, single, calibration, name)
+                        if p is None:
+                            continue
+                        c = _candidate(p, flavour, d, w, variant, schedule, bucket, model_flops_per_sample, space,
+                                       command_prefix)
+                        if best is None or (c.fits, c.tokens_per_s) > (best.fits, best.tokens_per_s):
+                            best = c
+                    return best
+
+                # Per schedule and microbatch count, its smallest feasible micro-batch that doesn't
+                # fit (its least memory: fewer samples in flight).
+                least: dict[tuple[str, int, int], tuple[int, int, str, int, int]] = {}
+                fitted = False
+                splits = batch_splits(space, d.dp_size)
+                for micro, accum in reversed(splits) if hopeless else splits:
                     for schedule, virtual, m in pipeline_settings(space, d, micro):
-                        # DDP's buckets are a knob of one layout, not layouts of their own: the best one.
-                        best: Candidate | None = None
-                        for bucket in buckets:
-                            w = variant.workload(shape, micro, accum, m, schedule, bucket, space.clip, tokens_per_sample,
-                                                 sp, virtual, space.expert_imbalance)
-                            if not feasible(shape, d, w):
-                                continue
-                            p = predict_layout(w, hw, flavour, d, memory_limit, overlap, single, calibration, name)
-                            evaluated += 1
-                            if p is None:
-                                continue
-                            c = _candidate(p, flavour, d, w, variant, schedule, bucket, model_flops_per_sample, space,
-                                           command_prefix)
-                            if best is None or (c.fits, c.tokens_per_s) > (best.fits, best.tokens_per_s):
-                                best = c
-                        if best is not None:
-                            kept.append(best)
-                            fitted = fitted or best.fits
+                        setting = (micro, accum, schedule, virtual, m)
+                        if hopeless and (schedule, virtual, m) in least:
+                            continue  # walking up from the smallest: the least memory is already found
+                        w = workload(*setting, buckets[0])
+                        if not feasible(shape, d, w):
+                            continue
+                        evaluated += 1
+                        if hopeless or memory_per_device(w, flavour, d) > memory_limit:
+                            least[schedule, virtual, m] = setting
+                            continue
+                        c = predicted(setting)
+                        if c is not None:
+                            kept.append(c)
+                            fitted = fitted or c.fits
                     if fitted:
                         break  # a smaller micro-batch of this layout and setting can only be slower
+                if not fitted and least:  # the one that needs the least: what the reasons quote
+                    lowest = predicted(min(least.values(), key=lambda setting: memory_per_device(
+                        workload(*setting, buckets[0]), flavour, d)))
+                    kept.extend([lowest] if lowest is not None else [])
     return Searched(rank(kept, space.devices_per_node), evaluated)
 
 
