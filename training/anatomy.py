@@ -343,19 +343,44 @@ def measure_variant(cfg: ModelConfig, seed: int, sample: Batch, precision: str, 
 
 
 BUILTIN_GPT = "training.models.gpt.build"
+DEPTH_KEYS = {BUILTIN_GPT: "n_layers", "training.models.hf.causal_lm": "num_hidden_layers"}
+"""The model factories whose depth is one keyword, and the keyword."""
+
+_ALIKE: dict[str, bool] = {}
 
 
 def _uniform_depth(cfg: ModelConfig) -> int | None:
-    """The depth of a model whose counts are extended from one layer and two (_by_layers): the
-    built-in MoE GPT deeper than 2; None for any other model (counted whole)."""
-    layers = cfg.kwargs.get("n_layers")
-    if cfg.target != BUILTIN_GPT or not cfg.kwargs.get("n_experts") or not isinstance(layers, int) or layers <= 2:
+    """The depth of a model whose counts are extended from one layer and two (_by_layers): one
+    deeper than 2 whose factory takes its depth as a keyword (DEPTH_KEYS) and whose blocks are all
+    alike; None for any other model (counted whole)."""
+    key = DEPTH_KEYS.get(cfg.target)
+    layers = cfg.kwargs.get(key) if key is not None else None
+    if not isinstance(layers, int) or layers <= 2:
         return None
-    return layers
+    return layers if _blocks_alike(cfg) else None
+
+
+def _blocks_alike(cfg: ModelConfig) -> bool:
+    """Whether every block of the model is the same computation: the built-in GPT's are; a Hugging
+    Face model's when its decoder layers print alike (class, submodules, shapes: not so with dense
+    first layers or MLP-only layers) and no per-layer list in its config varies (sliding-window
+    layer types, layers without RoPE), which the modules don't show."""
+    if cfg.target == BUILTIN_GPT:
+        return True
+    key = repr(cfg)
+    if key not in _ALIKE:
+        with torch.device("meta"):
+            model = build_model(cfg, 0)
+        blocks = [b.module for b in model_spec(model, cfg).blocks]
+        config = getattr(model, "config", None)
+        per_layer = [v for v in (vars(config).values() if config is not None else ())
+                     if isinstance(v, list | tuple) and len(v) == len(blocks) and len(set(map(repr, v))) > 1]
+        _ALIKE[key] = len({repr(b) for b in blocks}) == 1 and not per_layer
+    return _ALIKE[key]
 
 
 def _at_depth(cfg: ModelConfig, layers: int) -> ModelConfig:
-    return dataclasses.replace(cfg, kwargs=dict(cfg.kwargs, n_layers=layers))
+    return dataclasses.replace(cfg, kwargs=dict(cfg.kwargs, **{DEPTH_KEYS[cfg.target]: layers}))
 
 
 def _extended(one: float, two: float, layers: int) -> float:
@@ -364,10 +389,10 @@ def _extended(one: float, two: float, layers: int) -> float:
 
 
 def _by_layers(cfg: ModelConfig, seed: int, sample: Batch, precision: str, checkpointing: str) -> VariantCost:
-    """A mixture of experts' meta forward runs every expert of every layer op by op (DeepSeek-V3's
-    shape, 256 experts x 61 layers: 197 s for one variant here). The built-in GPT's blocks are all
-    alike, so every count is what lies outside the blocks plus the layers times one block's: the
-    counts of the same model at one layer and at two give every count of it exactly."""
+    """A large model's meta forward runs every layer op by op (DeepSeek-V3's shape, 256 experts x 61
+    layers: 197 s for one variant here; Llama 3 405B's 126 layers, ~13 s). When its blocks are all
+    alike (_uniform_depth), every count is what lies outside the blocks plus the layers times one
+    block's: the counts of the same model at one layer and at two give every count of it exactly."""
     layers = _uniform_depth(cfg)
     if layers is None:
         return _measure_variant(cfg, seed, sample, precision, checkpointing)
@@ -378,10 +403,10 @@ def _by_layers(cfg: ModelConfig, seed: int, sample: Batch, precision: str, check
 
 
 def count_on_meta(cfg: ModelConfig, seed: int, batch: Batch) -> Counted:
-    """measure_anatomy of the model built on the meta device at its real shape. The built-in MoE
-    GPT is run at one layer and at two (its meta forward runs every expert op by op: 94 s for
-    DeepSeek-V3's shape here) and its FLOPs and saved bytes extended to its depth, exactly as
-    _by_layers does; its Shape is read from the whole model, built but not run."""
+    """measure_anatomy of the model built on the meta device at its real shape. A model whose blocks
+    are all alike is run at one layer and at two (DeepSeek-V3's shape whole: 94 s here) and its
+    FLOPs and saved bytes extended to its depth, exactly as _by_layers does; its Shape is read from
+    the whole model, built but not run."""
     layers = _uniform_depth(cfg)
     if layers is None:
         model, spec = build_on_meta(cfg, seed)

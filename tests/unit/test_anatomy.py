@@ -127,16 +127,25 @@ def test_an_fp8_plan_runs_its_linears_at_the_fp8_peak_and_the_rest_at_bf16s(comp
     assert plan.requested is not None and plan.requested.precision == "fp8"
 
 
+MOE_GPT = ModelConfig(kwargs=dict(vocab_size=256, seq_len=64, d_model=64, n_layers=4, n_heads=4, n_experts=4, top_k=2))
+HF_LLAMA = ModelConfig(target="training.models.hf.causal_lm", name="hf-llama", kwargs=dict(
+    model_class="transformers.LlamaForCausalLM", config_class="transformers.LlamaConfig", vocab_size=256,
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=64))
+
+
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
-def test_a_mixture_of_experts_is_counted_from_one_layer_and_two_as_its_whole_forward(checkpointing):
-    """The built-in MoE GPT is counted at one and two layers and extended to its depth (a
-    DeepSeek-V3-shaped forward on the meta device takes minutes): every count equals the full
-    forward's at four layers."""
+@pytest.mark.parametrize("cfg", [MOE_GPT, HF_LLAMA], ids=["moe-gpt", "hf-llama"])
+def test_a_model_of_alike_blocks_is_counted_from_one_layer_and_two_as_its_whole_forward(cfg, checkpointing):
+    """A model whose blocks are all alike (the built-in GPT, a Hugging Face Llama) is counted at one
+    and two layers and extended to its depth (a DeepSeek-V3-shaped forward on the meta device
+    takes minutes, Llama 3 405B's ~13 s a variant): every count equals the full forward's at four
+    layers."""
     import dataclasses
 
-    from training.anatomy import _by_layers, _measure_variant
+    from training.anatomy import _by_layers, _measure_variant, _uniform_depth
 
-    cfg = ModelConfig(kwargs=dict(vocab_size=256, seq_len=64, d_model=64, n_layers=4, n_heads=4, n_experts=4, top_k=2))
+    assert _uniform_depth(cfg) == 4
     sample = tuple(t.to("meta") for t in first_samples(markov(4, 64, 256), 1))
     whole = _measure_variant(cfg, 0, sample, "bf16", checkpointing)
     extended = _by_layers(cfg, 0, sample, "bf16", checkpointing)
@@ -146,6 +155,23 @@ def test_a_mixture_of_experts_is_counted_from_one_layer_and_two_as_its_whole_for
     assert {n: getattr(extended, n) for n in counts} == pytest.approx({n: getattr(whole, n) for n in counts}, rel=1e-9)
 
 
+@pytest.mark.parametrize("unlike", [
+    dict(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16,
+         model_class="transformers.Qwen2ForCausalLM", config_class="transformers.Qwen2Config", use_sliding_window=True),
+    dict(model_class="transformers.Qwen3MoeForCausalLM", config_class="transformers.Qwen3MoeConfig",
+         mlp_only_layers=[0], num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+], ids=["per-layer-config-list", "dense-first-layer"])
+def test_a_model_whose_layers_differ_is_counted_whole(unlike):
+    """Layers that differ by a per-layer list in the config (sliding-window layer types) or by
+    their modules (an MLP-only first layer of a mixture of experts) are not extended from one."""
+    import dataclasses
+
+    from training.anatomy import _uniform_depth
+
+    cfg = dataclasses.replace(HF_LLAMA, kwargs=dict(HF_LLAMA.kwargs, **unlike))
+    assert _uniform_depth(cfg) is None
+
+
 def test_a_mixture_of_experts_anatomy_from_one_layer_and_two_is_its_whole_forwards():
     """The plan's anatomy of the built-in MoE GPT (count_on_meta) counted at one and two layers and
     extended, its Shape read from the whole model: the same FLOPs, saved bytes and Shape as a
@@ -153,7 +179,7 @@ def test_a_mixture_of_experts_anatomy_from_one_layer_and_two_is_its_whole_forwar
     from training.anatomy import build_on_meta, count_on_meta, measure_anatomy
     from training.models import model_loss
 
-    cfg = ModelConfig(kwargs=dict(vocab_size=256, seq_len=64, d_model=64, n_layers=4, n_heads=4, n_experts=4, top_k=2))
+    cfg = MOE_GPT
     sample = tuple(t.to("meta") for t in first_samples(markov(4, 64, 256), 1))
     model, spec = build_on_meta(cfg, 0)
     whole = measure_anatomy(model, spec, model_loss(cfg), sample)

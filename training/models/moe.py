@@ -68,7 +68,10 @@ class GroupedExperts(nn.Module):
         w1, w2 = local_part(self.w1), local_part(self.w2)  # expert parallelism's shard, as a plain tensor
         # Empty groups too: the output then always depends on `x` and on every expert, so a rank
         # whose experts got no token still runs the all-to-all's backward its peers wait in.
-        return torch.cat([F.gelu(chunk @ w1[e]) @ w2[e] for e, chunk in enumerate(x.split(counts))])
+        # One GELU over every group (elementwise, so the same numbers): one call, not E, which on the
+        # meta device - where the plan counts a 256-expert layer - is most of the forward's time.
+        hidden = F.gelu(torch.cat([chunk @ w1[e] for e, chunk in enumerate(x.split(counts))]))
+        return torch.cat([chunk @ w2[e] for e, chunk in enumerate(hidden.split(counts))])
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
