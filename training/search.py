@@ -303,58 +303,95 @@ def search(space: Space, shape: Shape, hw: Hardware, tokens_per_sample: int, mod
             continue
         buckets = space.bucket_caps_mb if strategies.get(flavour).wrapper == "ddp" and d.dp_replicate > 1 else (25.0,)
         for variant in space.variants:
-            single = 1.0 / variant.seconds_per_sample
-            hopeless = state_memory(shape, flavour, d, variant.precision).states > memory_limit
             # Sequence parallelism hands the experts a sequence-split DTensor: not for a mixture of experts.
             for sp in ((False, True) if d.tp > 1 and not shape.experts else (False,)):
-                def workload(micro: int, accum: int, schedule: str, virtual: int, m: int, bucket: float) -> Workload:
-                    return variant.workload(shape, micro, accum, m, schedule, bucket, space.clip, tokens_per_sample,
-                                            sp, virtual, space.expert_imbalance)
-
-                def predicted(setting: tuple[int, int, str, int, int]) -> Candidate | None:
-                    """The setting's prediction under its best bucket (DDP's buckets are a knob of one
-                    layout, not layouts of their own)."""
-                    micro, accum, schedule, _, _ = setting
-                    best: Candidate | None = None
-                    for bucket in buckets:
-                        w = workload(*setting, bucket)
-                        p = predict_layout(w, hw, flavour, d, memory_limit, overlap, single, calibration, name)
-                        if p is None:
-                            continue
-                        c = _candidate(p, flavour, d, w, variant, schedule, bucket, model_flops_per_sample, space,
-                                       command_prefix)
-                        if best is None or (c.fits, c.tokens_per_s) > (best.fits, best.tokens_per_s):
-                            best = c
-                    return best
-
-                # Per schedule and microbatch count, its smallest feasible micro-batch that doesn't
-                # fit (its least memory: fewer samples in flight).
-                least: dict[tuple[str, int, int], tuple[int, int, str, int, int]] = {}
-                fitted = False
-                splits = batch_splits(space, d.dp_size)
-                for micro, accum in reversed(splits) if hopeless else splits:
-                    for schedule, virtual, m in pipeline_settings(space, d, micro):
-                        setting = (micro, accum, schedule, virtual, m)
-                        if hopeless and (schedule, virtual, m) in least:
-                            continue  # walking up from the smallest: the least memory is already found
-                        w = workload(*setting, buckets[0])
-                        if not feasible(shape, d, w):
-                            continue
-                        evaluated += 1
-                        if hopeless or memory_per_device(w, flavour, d) > memory_limit:
-                            least[schedule, virtual, m] = setting
-                            continue
-                        c = predicted(setting)
-                        if c is not None:
-                            kept.append(c)
-                            fitted = fitted or c.fits
-                    if fitted:
-                        break  # a smaller micro-batch of this layout and setting can only be slower
-                if not fitted and least:  # the one that needs the least: what the reasons quote
-                    lowest = predicted(min(least.values(), key=lambda setting: memory_per_device(
-                        workload(*setting, buckets[0]), flavour, d)))
-                    kept.extend([lowest] if lowest is not None else [])
+                setting = _Setting(space, shape, hw, flavour, d, name, variant, sp, buckets, tokens_per_sample,
+                                   model_flops_per_sample, memory_limit, overlap, calibration, command_prefix)
+                found, held = _walk(setting)
+                kept += found
+                evaluated += held
     return Searched(rank(kept, space.devices_per_node), evaluated)
+
+
+Point = tuple[int, int, str, int, int]
+"""(micro-batch, accumulation, schedule, stages per rank, microbatches): one point of a setting."""
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """One layout under one precision, checkpointing and sequence-parallel choice: what the search
+    walks over micro-batches and schedules."""
+
+    space: Space
+    shape: Shape
+    hw: Hardware
+    flavour: str
+    d: ParallelDims
+    name: str
+    variant: Variant
+    sequence_parallel: bool
+    buckets: tuple[float, ...]
+    tokens_per_sample: int
+    model_flops_per_sample: float
+    memory_limit: float
+    overlap: float
+    calibration: Calibration | None
+    command_prefix: str
+
+    def workload(self, point: Point, bucket: float) -> Workload:
+        micro, accum, schedule, virtual, m = point
+        return self.variant.workload(self.shape, micro, accum, m, schedule, bucket, self.space.clip,
+                                     self.tokens_per_sample, self.sequence_parallel, virtual,
+                                     self.space.expert_imbalance)
+
+    def memory(self, point: Point) -> float:
+        return memory_per_device(self.workload(point, self.buckets[0]), self.flavour, self.d)
+
+    def predicted(self, point: Point) -> Candidate | None:
+        """The point's prediction under its best bucket (DDP's buckets are a knob of one layout, not
+        layouts of their own)."""
+        best: Candidate | None = None
+        for bucket in self.buckets:
+            w = self.workload(point, bucket)
+            p = predict_layout(w, self.hw, self.flavour, self.d, self.memory_limit, self.overlap,
+                               1.0 / self.variant.seconds_per_sample, self.calibration, self.name)
+            if p is None:
+                continue
+            c = _candidate(p, self.flavour, self.d, w, self.variant, point[2], bucket, self.model_flops_per_sample,
+                           self.space, self.command_prefix)
+            if best is None or (c.fits, c.tokens_per_s) > (best.fits, best.tokens_per_s):
+                best = c
+        return best
+
+
+def _walk(s: _Setting) -> tuple[list[Candidate], int]:
+    """The candidates kept of one setting (search's rules) and how many points were held against
+    the memory ruler."""
+    hopeless = state_memory(s.shape, s.flavour, s.d, s.variant.precision).states > s.memory_limit
+    # Per schedule and microbatch count, its smallest feasible micro-batch that doesn't fit (its
+    # least memory: fewer samples in flight).
+    least: dict[tuple[str, int, int], Point] = {}
+    kept: list[Candidate] = []
+    held = 0
+    splits = batch_splits(s.space, s.d.dp_size)
+    for micro, accum in reversed(splits) if hopeless else splits:
+        for schedule, virtual, m in pipeline_settings(s.space, s.d, micro):
+            point = (micro, accum, schedule, virtual, m)
+            if hopeless and (schedule, virtual, m) in least:
+                continue  # walking up from the smallest: the least memory is already found
+            w = s.workload(point, s.buckets[0])
+            if not feasible(s.shape, s.d, w):
+                continue
+            held += 1
+            if hopeless or memory_per_device(w, s.flavour, s.d) > s.memory_limit:
+                least[schedule, virtual, m] = point
+                continue
+            c = s.predicted(point)
+            kept += [c] if c is not None else []
+        if any(c.fits for c in kept):
+            return kept, held  # a smaller micro-batch of this layout and setting can only be slower
+    lowest = s.predicted(min(least.values(), key=s.memory)) if least else None  # what the reasons quote
+    return kept + ([lowest] if lowest is not None else []), held
 
 
 def _candidate(p: Prediction, flavour: str, d: ParallelDims, w: Workload, variant: Variant, schedule: str,
