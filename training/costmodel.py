@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from training import strategies
 from training.collectives import bus_factor
 from training.parallel.dims import DIM_NAMES, ParallelDims, expert_parallel_problem
-from training.parallel.schedules import stage_blocks
+from training.parallel.schedules import SINGLE, V_SHAPED, stage_blocks
 from training.shared_cores import SharedCores, time_share
 
 COSTMODEL_VERSION = 3
@@ -407,11 +407,19 @@ the weight passes (Qi et al. 2023, 2024; DeepSeek-V3's DualPipe)."""
 def pipeline_bubble(pp: int, microbatches: int, schedule: str = "1f1b", virtual: int = 1) -> float:
     """Idle fraction of a step. GPipe and 1F1B: (p − 1) / (m + p − 1) (Narayanan et al. 2021);
     interleaved 1F1B with v stages per rank: the warm-up shrinks by v, (p − 1) / (v·m + p − 1) (same
-    paper). The zero-bubble family is costed at ZB-H1's bubble, a third of its interleaved base
-    with equal forward, input- and weight-gradient times (Qi et al. 2023): what their schedules
-    reach without more memory; none was timed on GPUs here."""
+    paper). The zero-bubble family: ZB-H1's bubble, a third of its interleaved base with equal
+    forward, input- and weight-gradient times (Qi et al. 2023). These closed forms are torch's own
+    action tables played out (training/parallel/bubble.py) once the pipeline is full: m >= p for a
+    looped schedule, m >= 2p for a V; below that the tables themselves are read (a looped schedule
+    then waits a loop per microbatch: pp=4, v=2, m=2 is 0.56 idle, not 0.43). No schedule was timed
+    on GPUs here."""
     if pp <= 1:
         return 0.0
+    filled = microbatches >= pp * (2 if schedule in V_SHAPED else 1)
+    if schedule not in SINGLE and not filled:
+        from training.parallel.bubble import table_bubble
+
+        return table_bubble(schedule, pp, microbatches, virtual)
     idle = (pp - 1) / (3 if schedule in ZERO_BUBBLE else 1)
     return idle / (virtual * microbatches + idle)
 
