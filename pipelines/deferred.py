@@ -6,8 +6,10 @@ measured. So the runner starts with a DeferredTracker, which keeps every call th
 order, with the time it was made:
 
 - when a stage has to run, or the plan asks MLflow for its history, it goes live: the real
-  MlflowTracker is opened, the kept calls are replayed, and every later call passes through, so a
-  run that measures something shows in the UI while it measures, as before;
+  MlflowTracker is opened (a local sqlite store on a thread, while that stage runs: ~3.5 s of a
+  smoke run's ~30 s taken off its critical path), the kept calls are replayed once it is open, and
+  every later call passes through, so a run that measures something shows in the UI while it
+  measures, as before;
 - when nothing ran, it never goes live: `finish` writes the calls, atomically, to a queue file
   (`<cache_dir>/mlflow-pending/<id>.pkl`) and starts a detached `python -m pipelines.deferred FILE`,
   which replays them into MLflow at their original times, writes the run's id into summary.json
@@ -31,6 +33,7 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,30 +83,49 @@ class DeferredTracker:
     def __init__(self, cfg: TrackingConfig, queue: Path):
         prepare_store(cfg.uri)  # a bad URI is the user's error now, not a failure in the background
         self.cfg, self.queue = cfg, queue
-        self.run_id: str | None = None
         self.calls: list[Call] = []
         self.real: MlflowTracker | None = None
+        self._opening: Future[MlflowTracker] | None = None
         self.pending: Path | None = None
         """The queue file of a record left to the background replayer (never went live)."""
 
+    @property
+    def run_id(self) -> str | None:
+        self._settle(wait=self._opening is not None)
+        return self.real.run_id if self.real is not None else None
+
     def go_live(self) -> None:
-        if self.real is not None:
+        """Open MLflow. A local sqlite store (already checked by prepare_store) is opened on a thread
+        while the stage that made us go live runs (importing MLflow and opening the store take ~3.5 s
+        on 2 cores, most of a smoke run's tracking cost); a server is opened here, so that an
+        unreachable one is the user's error before anything is launched."""
+        if self.real is not None or self._opening is not None:
             return
-        real = MlflowTracker(self.cfg)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-open")
+        self._opening = pool.submit(MlflowTracker, self.cfg)
+        pool.shutdown(wait=False)
+        self._settle(wait=sqlite_path(self.cfg.uri) is None)
+
+    def _settle(self, wait: bool) -> None:
+        """Once MLflow is open (or now, with `wait`): replay the kept calls; later ones pass through."""
+        if self.real is not None or self._opening is None or not (wait or self._opening.done()):
+            return
+        real = self._opening.result()  # the opening's error, if any, is raised here
         _replay_calls(real, self.calls)
         real.clock = time.time
-        self.real, self.run_id = real, real.run_id
+        self.real = real
         drain(self.queue, self.cfg)
 
     def _call(self, method: str, *args: Any) -> None:
+        self._settle(wait=False)
         if self.real is not None:
             getattr(self.real, method)(*args)
-            self.run_id = self.real.run_id
         else:
             self.calls.append(Call(method, args, time.time()))
 
     def history(self, key: str) -> list:
         self.go_live()
+        self._settle(wait=True)
         assert self.real is not None
         return self.real.history(key)
 
@@ -120,6 +142,7 @@ class DeferredTracker:
         self._call("log_stage", stage, status, tags, params, metrics, artifacts, list(children))
 
     def finish(self, ok: bool, files: list[Path]) -> None:
+        self._settle(wait=self._opening is not None)
         if self.real is not None:
             self.real.finish(ok, files)
             return

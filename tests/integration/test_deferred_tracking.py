@@ -114,6 +114,38 @@ def test_going_live_replays_what_was_kept_and_passes_the_rest_through(store, tmp
     assert not (tmp_path / QUEUE).exists() or not any((tmp_path / QUEUE).iterdir()), "a live run leaves no record"
 
 
+def test_a_local_store_opens_on_a_thread_and_what_is_said_meanwhile_is_kept_in_order(store, tmp_path, monkeypatch):
+    """Going live on a sqlite store returns at once: MLflow is imported and opened on a thread while
+    the stage runs, and the calls made meanwhile reach the run, in order, once it is open."""
+    import threading
+
+    import pipelines.deferred as deferred
+
+    opened_on = []
+
+    class Recording(MlflowTracker):
+        def __init__(self, cfg):
+            opened_on.append(threading.current_thread().name)
+            super().__init__(cfg)
+
+    monkeypatch.setattr(deferred, "MlflowTracker", Recording)
+    cfg, artifacts, summary = store
+    tracker = DeferredTracker(cfg, tmp_path / QUEUE)
+    tracker.start("ddp-2-tiny", {"strategy": "ddp"}, {"kind": "invocation"})
+    tracker.go_live()
+    tracker.log_stage("env", "ran", {"cached": "false"}, {}, [("env/ranks", 2.0, 0)], None)
+    time.sleep(0.01)  # stages a few milliseconds apart at least, as stages are: their runs' order is their times'
+    tracker.log_stage("bandwidth", "ran", {"cached": "false"}, {}, [("bandwidth/busbw", 0.5, 0)], None)
+    tracker.finish(True, [summary])
+    assert len(opened_on) == 1 and opened_on[0].startswith("mlflow-open"), opened_on
+    client = _client(cfg.uri)
+    run = client.get_run(tracker.run_id)
+    kids = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{tracker.run_id}'",
+                              order_by=["attributes.start_time ASC"])
+    assert run.info.status == "FINISHED" and [k.data.tags["stage"] for k in kids] == ["env", "bandwidth"]
+    assert kids[1].data.metrics == {"bandwidth/busbw": 0.5}
+
+
 def test_a_record_is_logged_once_however_many_replay_it(store, tmp_path, monkeypatch):
     cfg, artifacts, summary = store
     pending = _deferred(cfg, tmp_path / QUEUE, artifacts, summary, monkeypatch)
