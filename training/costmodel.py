@@ -981,10 +981,23 @@ def nonnegative_least_squares(a, b):  # noqa: ANN001, ANN201 - numpy arrays
     return best_x
 
 
+PRIOR_WEIGHT = 0.2
+"""How many runs' worth of evidence the model's own communication terms (scale 1 for each
+strategy, no cost per call) count for in a fit. A handful of runs leaves those resting on one
+point each: with one zero3 run at world 2 beside world 1's, its communication scale and the cost
+per call trade off freely. Measured on this project's 2-core host (bench_planner's points, three
+sets, 2026-12-03), each point predicted from a fit to the five others: without the prior zero3 at
+world 4 read 1.26, 1.76 and 1.59x its measured step (5, 3 and 5 of 6 points within 15 %); with
+it 1.09, 0.88 and 0.96 (6, 5 and 6 of 6), the other points moving by at most 0.03. Compute has a
+column in every run, so it has no prior: one run at world 1 sets it exactly."""
+
+
 def fit_calibration(points: list[MeasuredStep]) -> Calibration | None:
     """Least squares on relative error: minimise sum(((kc (c + o + b) + km[s] m + kn n - t) / t)^2)
-    over the points, with kc and kn (per call) shared and km per strategy, all >= 0. None without
-    points."""
+    over the points, with kc and kn (per call) shared and km per strategy, all >= 0, plus a prior
+    toward the model's communication (PRIOR_WEIGHT): each km's distance from 1 and kn's from 0, in
+    units of its column's typical size, counts as PRIOR_WEIGHT points' relative error. None
+    without points."""
     import numpy as np
 
     points = [p for p in points if p.measured_step_s > 0 and p.predicted.step_s > 0]
@@ -998,7 +1011,13 @@ def fit_calibration(points: list[MeasuredStep]) -> Calibration | None:
         if p.predicted.exposed_comm_s > 0:
             a[i, columns.index(p.strategy)] = p.predicted.exposed_comm_s / p.measured_step_s
         a[i, -1] = p.predicted.collective_calls / p.measured_step_s
-    scales = nonnegative_least_squares(a, np.ones(len(points)))
+    prior = np.array([1.0] * (len(columns) - 1) + [0.0])
+    # Ridge rows: one per communication scale, sqrt(w) x its column's rms (so the pull is
+    # unit-free) x (k - prior); none for compute.
+    weight = math.sqrt(PRIOR_WEIGHT) * np.sqrt((a ** 2).mean(axis=0))
+    weight[0] = 0.0
+    ridge = np.diag(weight)
+    scales = nonnegative_least_squares(np.vstack([a, ridge]), np.concatenate([np.ones(len(points)), ridge @ prior]))
     bases = [p.predicted.seconds_per_sample for p in points if p.predicted.seconds_per_sample > 0]
     calibration = Calibration(
         compute_scale=float(scales[0]),
@@ -1011,8 +1030,8 @@ def fit_calibration(points: list[MeasuredStep]) -> Calibration | None:
     )
 
     def rms_error(step: Callable[[MeasuredStep], float]) -> float:
-        # What the fit minimises, so never worse after than before (the scales 1, 1, 0 are a
-        # feasible point); a median of a handful of points could be.
+        # Never worse after than before: the fit minimises this plus the prior's pull, which is
+        # zero at the model's scales (1, 1, 0), a feasible point; a median of a handful of points could be.
         return 100 * math.sqrt(sum(((p.measured_step_s - step(p)) / p.measured_step_s) ** 2 for p in points)
                                / len(points))
 
