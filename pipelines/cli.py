@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,13 @@ def output_dir(overrides: list[str], multirun: bool) -> None:
         raise UserError(f"{key}={value}: cannot be created: {probe} is a file, not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise UserError(f"{key}={value}: cannot be created: {probe} is not writable")
+    # Permission bits don't tell everything (root passes os.access; /proc and read-only mounts
+    # refuse anyway): make a directory there and remove it again.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".scalestudy-check-", dir=probe))
+    except OSError as err:
+        raise UserError(f"{key}={value}: cannot be created: {probe} refuses a new directory "
+                        f"({err.strerror or err})") from None
 
 
 def one_line(err: BaseException) -> str:

@@ -168,6 +168,19 @@ def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path, multirun):
     assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs Linux's /proc")
+def test_a_run_dir_the_filesystem_refuses_is_one_line_even_where_permissions_allow(tmp_path):
+    """/proc passes os.access for root, and refuses a new directory all the same: Hydra's own
+    mkdir used to end in a traceback (exit 1)."""
+    result = run_cli(tmp_path, "hydra.run.dir=/proc/forbidden/run")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: hydra.run.dir=/proc/forbidden/run: cannot be created: /proc refuses a new directory "
+        "(No such file or directory)"]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_unknown_option_lists_the_valid_ones(tmp_path):
     result = run_cli(tmp_path, "strategy=zero9")
     assert result.returncode == 2
