@@ -136,3 +136,24 @@ def test_every_model_preset_builds(compose_cfg, preset):
     data = ["data=blobs"] if preset == "mlp" else []  # the MLP's input width is the blobs' feature count
     cfg = compose_cfg(f"model={preset}", *data, "pipeline=plan", "cluster=h100-80g-ndr", "tracking=none")
     assert cfg.model.name == preset
+
+
+def test_help_is_the_tools_own_and_every_command_it_shows_composes():
+    """`python run.py --help` says what the tool does, the common commands and the groups, not Hydra's
+    "powered by Hydra" and the whole YAML; each command it shows passes the same check a run does."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, str(root / "run.py"), "--help"], capture_output=True, text=True,
+                            timeout=120, cwd=root)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert text.startswith("scalestudy: ") and "powered by Hydra" not in text
+    assert "strategy: auto, ddp, hybrid, pp, tp, zero1, zero2, zero3" in text
+    assert "python run.py --cfg job" in text and "seed:" not in text  # the config is a flag away, not here
+    commands = [line.split("python run.py ", 1)[1].split("  ")[0].split() for line in text.splitlines()
+                if line.startswith("  python run.py ")]
+    assert len(commands) >= 6
+    for argv in commands:
+        precheck(argv)
