@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import mlflow_server
+from tests.helpers import chromium, mlflow_server
 
 ROOT = Path(__file__).resolve().parents[2]
 POINTS = {("ddp", 1), ("ddp", 2), ("zero3", 1), ("zero3", 2)}
@@ -54,14 +54,6 @@ def server(study, store):
     """`mlflow server --workers 1` over `store`; stopped by its own PID."""
     with mlflow_server(store, study["dir"]) as base:
         yield base
-
-
-def chromium() -> str:
-    found = shutil.which("chromium")
-    if found is None:
-        pytest.skip("chromium is not installed: run `bash scripts/chromium.sh` (CI's .ci/run does); "
-                    "the MLflow UI is checked in a real browser or not at all")
-    return found
 
 
 def dom(url: str, tmp: Path, settled: str, width: int = 1600) -> str:
