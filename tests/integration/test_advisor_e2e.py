@@ -31,10 +31,21 @@ def trained_as(train: dict, candidate: dict) -> None:
     assert train["strategy"] == candidate["strategy"] and train["strategy_from_plan"]
 
 
+# A plan the defaults can't satisfy: at a 256-token sequence, data parallelism within 5 MB a device
+# (the planner's limit only: no stage runs under a budget) fits micro-batch 2 only with full
+# checkpointing and 1 only with selective (micro-batch 1 without it needs 5.4 MB), so accumulation too.
+TIGHT = ["data.seq_len=256", "model.seq_len=256", "plan.strategies=[ddp]", "plan.device_memory_bytes=5000000",
+         "plan.memory_fraction=1.0"]
+
+
 @pytest.mark.slow
 def test_auto_trains_the_whole_recommendation(tmp_path):
-    summary = run(tmp_path, *AUTO, "tracking=none", "hydra.run.dir=run")
+    summary = run(tmp_path, *AUTO, *TIGHT, "tracking=none", "hydra.run.dir=run")
     plan, train = summary["stages"]["plan"]["result"], summary["stages"]["train"]["result"]
+    recommended = plan["recommended"]
+    # Nothing here is a default, so training it shows each field went through.
+    assert recommended["grad_accum"] > 1 and recommended["activation_checkpointing"] != "none", recommended
+    assert recommended["micro_batch"] != 4 and recommended["dims"]["dp_replicate"] == 2
     assert summary["stages"]["trials"]["status"] == "skipped", "plan.trials=0 asks for no trials"
     trained_as(train, plan["recommended"])
     assert train["global_batch"] == 8 and summary["run"]["layout"] == "auto"
