@@ -123,6 +123,22 @@ def test_second_identical_run_is_all_cached(workspace):
 
 
 @pytest.mark.slow
+def test_a_fully_cached_rerun_imports_no_torch(workspace):
+    """What makes a no-op re-run take about a second: the driver decides from the cache alone, and
+    nothing it imports on that path loads torch (Python's own import log, -X importtime)."""
+    cwd, first, _ = workspace
+    assert first.returncode == 0, first.stdout + first.stderr
+    third = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "run.py"), *SMOKE, PEAK, *PROBE,
+                            "tracking=none", "hydra.run.dir=runs/third"], cwd=cwd, capture_output=True, text=True,
+                           timeout=300)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert asked_statuses(summary_of(cwd / "runs/third")) == dict.fromkeys(ASKED, "cached")
+    imported = {line.rsplit("|", 1)[1].strip() for line in third.stderr.splitlines() if line.startswith("import time:")}
+    assert "hydra" in imported and "pipelines.runner" in imported, "the import log was read"
+    assert not {m for m in imported if m == "torch" or m.startswith("torch.")}
+
+
+@pytest.mark.slow
 def test_mlflow_holds_a_parent_and_six_nested_runs_per_invocation(workspace):
     from mlflow.tracking import MlflowClient
 

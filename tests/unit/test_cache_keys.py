@@ -52,3 +52,28 @@ def test_config_and_upstream_are_in_the_key():
     base = key()
     assert cache.stage_key("lr_find", "stages.lr_find:run", {"num_iters": 21}, {"env": "abc"}) != base
     assert cache.stage_key("lr_find", "stages.lr_find:run", {"num_iters": 20}, {"env": "abd"}) != base
+
+
+def test_a_users_target_code_is_in_the_key_and_moves_with_their_source(fresh, tmp_path):
+    """A model or data set of the user's own (`_target_: mymodels.vit.build`) lives outside this
+    project: a stage that builds it keys on a hash of its sources; an installed library on its
+    version; this project's own packages are code_version()'s, not listed again."""
+    import importlib.metadata
+    import sys
+
+    package = tmp_path / "mymodels"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "vit.py").write_text("def build():\n    return 1\n")
+    fresh.syspath_prepend(str(tmp_path))
+    cache.package_code.cache_clear()
+    targets = ["mymodels.vit.build", "transformers.AutoModelForCausalLM", "training.models.gpt.build"]
+    before = cache.targets_code(targets)
+    assert set(before) == {"mymodels", "transformers"}
+    assert before["transformers"] == f"transformers=={importlib.metadata.version('transformers')}"
+    (package / "vit.py").write_text("def build():\n    return 2  # the user changed their model\n")
+    cache.package_code.cache_clear()
+    after = cache.targets_code(targets)
+    assert after["mymodels"] != before["mymodels"] and after["transformers"] == before["transformers"]
+    sys.modules.pop("mymodels", None)
+    cache.package_code.cache_clear()
