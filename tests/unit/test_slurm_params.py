@@ -78,3 +78,32 @@ def test_submit_only_refuses_to_write_a_secret_into_the_batch_script(tmp_path, c
     with pytest.raises(ConfigError, match=r"https://\*\*\*@host"):
         submit_pipeline(cfg, tmp_path / "run", ["launcher=slurm", "tracking.uri=https://me:pw@host"])
     assert not (tmp_path / "run").exists(), "nothing written"
+
+
+def test_the_allocation_holds_while_the_heartbeat_is_fresh_and_frees_itself_when_it_goes_stale(tmp_path):
+    """The batch script itself, run by bash as slurmd would run it (its #SBATCH lines are comments):
+    it holds while the driver touches the heartbeat, ends when released, and ends on its own when the
+    heartbeat is older than HEARTBEAT_STALE_S (a driver killed with SIGKILL frees its nodes)."""
+    import subprocess
+    import time
+
+    from pipelines.launchers.slurm import HEARTBEAT_STALE_S, allocation_script
+
+    folder = tmp_path / "alloc"
+    folder.mkdir()
+    script = tmp_path / "allocation.sh"
+    script.write_text(allocation_script(SlurmLauncherConfig(), WorldSpec(1, 1), folder))
+    heartbeat = folder / "heartbeat"
+    heartbeat.touch()
+    held = subprocess.Popen(["bash", str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            held.wait(timeout=3)  # a fresh heartbeat: still held
+        (folder / "release").touch()
+        assert held.wait(timeout=10) == 0, "released by the driver"
+    finally:
+        held.kill()
+    (folder / "release").unlink()
+    stale = time.time() - HEARTBEAT_STALE_S - 5
+    os.utime(heartbeat, (stale, stale))  # the driver stopped touching it (killed)
+    assert subprocess.run(["bash", str(script)], capture_output=True, timeout=10).returncode == 0
