@@ -35,8 +35,8 @@ from ray.train import BackendConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from pipelines.launchers.base import StageFailed, Task, WorldSpec, probe_placement, worker_pythonpath
-from pipelines.launchers.local import describe_failure
 from pipelines.launchers.ray_agent import WAIT_S, Command, Mailbox, agent
+from pipelines.launchers.tasks import describe_failure
 from pipelines.launchers.worker import ERROR_FILE
 from pipelines.placement import Placement
 from pipelines.schema import LauncherConfig

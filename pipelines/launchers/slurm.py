@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.launchers.base import StageFailed, Task, WorldSpec, probe_placement, worker_pythonpath
-from pipelines.launchers.local import describe_failure, read_result, remove_task, write_task
 from pipelines.launchers.resources import cpus_per_task, slurm_nodes
+from pipelines.launchers.tasks import describe_failure, read_result, remove_task, write_task
 from pipelines.launchers.worker import (
     BACKEND_ENV,
     DISTRIBUTED_ENV,

@@ -216,7 +216,7 @@ def test_env_records_the_nccl_settings_each_rank_runs_with(monkeypatch):
 
 
 def test_the_flight_recorder_dumps_into_the_stage_logs_and_a_failure_names_them(monkeypatch, tmp_path):
-    from pipelines.launchers.local import describe_failure
+    from pipelines.launchers.tasks import describe_failure
     from pipelines.launchers.worker import flight_recorder
 
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",

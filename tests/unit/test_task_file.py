@@ -8,7 +8,7 @@ import pickle
 import stat
 
 from pipelines.launchers.base import Task
-from pipelines.launchers.local import remove_task, write_task
+from pipelines.launchers.tasks import remove_task, write_task
 
 
 def test_a_task_file_is_its_owners_alone_whatever_the_umask_and_removed_after(tmp_path):
