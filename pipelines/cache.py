@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.configtools import from_dict, to_jsonable
+from pipelines.paths import ROOT
 from training.files import write_atomic
 
 PACKAGES = ("pipelines", "stages", "training")
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _alive(pid: int) -> bool:

@@ -18,11 +18,11 @@ from typing import Any
 
 from pipelines.configtools import from_dict
 from pipelines.dag import build
+from pipelines.paths import CONF_DIR
 from pipelines.schema import Config, register
 from pipelines.validate import resolve
 from training.config import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 INFO_FLAGS = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc", "--resolve"}
 FLAGS_WITH_VALUE = {"--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--package", "-p",
                     "--experimental-rerun"}

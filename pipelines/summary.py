@@ -24,6 +24,7 @@ from enum import StrEnum
 from typing import Any, TypeVar
 
 from pipelines.configtools import from_dict
+from pipelines.paths import CONF_DIR
 
 SUMMARY_VERSION = 3
 """Raised when a field is added, removed or changes meaning. Summaries written before version 2
@@ -277,8 +278,6 @@ def _pipeline_functions(pipeline: Any) -> dict[str, str]:
     """Stage name -> `module:function` in conf/pipeline/<pipeline>.yaml (uninterpolated)."""
     from omegaconf import OmegaConf
 
-    from pipelines.cli import CONF_DIR
-
     path = CONF_DIR / "pipeline" / f"{pipeline}.yaml"
     if not isinstance(pipeline, str) or not path.is_file():
         raise ValueError(f"it has no version and its run.pipeline={pipeline!r} names no file in "
@@ -331,8 +330,6 @@ def _table(cls: type) -> list[str]:
 
 def _shipped_stages() -> list[tuple[str, str, str]]:
     """(pipeline, stage, function) of every pipeline in conf/pipeline/, in file and DAG order."""
-    from pipelines.cli import CONF_DIR
-
     return [(path.stem, name, fn) for path in sorted((CONF_DIR / "pipeline").glob("*.yaml"))
             for name, fn in _pipeline_functions(path.stem).items()]
 

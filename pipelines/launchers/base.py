@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pipelines.paths import ROOT
+
 if TYPE_CHECKING:
     from pipelines.placement import Placement
 
@@ -64,9 +66,6 @@ class Launcher(Protocol):
 
     def close(self) -> None:
         """Release whatever the launcher started (clusters, allocations, daemons)."""
-
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def worker_pythonpath() -> str:

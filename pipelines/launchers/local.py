@@ -29,7 +29,6 @@ from pipelines.launchers.worker import (
 from pipelines.placement import NodeIdentity, Placement, node_identity, resolved_backend
 from pipelines.schema import LauncherConfig
 
-ROOT = Path(__file__).resolve().parents[2]
 POLL_S = 0.05
 
 

@@ -21,11 +21,11 @@ from pathlib import Path
 
 from pipelines.launchers.base import WorldSpec, worker_pythonpath
 from pipelines.launchers.slurm import ALLOCATION_ENV, node_share, requeue_trap, sbatch_options
+from pipelines.paths import ROOT
 from pipelines.redact import redact_text
 from pipelines.schema import Config
 from training.config import ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT_NAME = "pipeline.sbatch"
 
 
