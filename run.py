@@ -20,9 +20,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from common.errors import ConfigError
 from pipelines.cli import UserError, load, precheck, write_run_config
 from pipelines.schema import SlurmLauncherConfig, register
-from training.config import ConfigError
 
 register()
 EXIT_CODES: list[int] = []

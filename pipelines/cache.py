@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.files import write_atomic
 from pipelines.configtools import from_dict, to_jsonable
 from pipelines.paths import ROOT
-from training.files import write_atomic
 
-PACKAGES = ("pipelines", "stages", "training")
+PACKAGES = ("common", "pipelines", "reports", "stages", "training")
 
 
 def _alive(pid: int) -> bool:

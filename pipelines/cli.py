@@ -16,12 +16,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from common.errors import ConfigError
 from pipelines.configtools import from_dict
 from pipelines.dag import build
 from pipelines.paths import CONF_DIR
 from pipelines.schema import Config, register
 from pipelines.validate import resolve
-from training.config import ConfigError
 
 INFO_FLAGS = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc", "--resolve"}
 FLAGS_WITH_VALUE = {"--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--package", "-p",
@@ -186,9 +186,9 @@ def write_run_config(run_dir: Path, cfg: Any, overrides: list[str]) -> Path:
     masked. It stands in for Hydra's `.hydra/` files (disabled: they hold everything in clear)."""
     from omegaconf import OmegaConf
 
+    from common.files import write_atomic
     from pipelines.configtools import to_jsonable
     from pipelines.redact import redact_override, redact_tree
-    from training.files import write_atomic
 
     path = run_dir / "config.yaml"
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,8 @@ import types
 import typing
 from typing import Any, Union
 
-from training.config import TARGET_KEY, ConfigError, TargetConfig
+from common.errors import ConfigError
+from training.config import TARGET_KEY, TargetConfig
 
 _NONE = type(None)
 

@@ -15,8 +15,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from common.errors import ConfigError
 from pipelines.schema import PipelineConfig, StageSpec
-from training.config import ConfigError
 
 RESERVED = ("artifacts", "checkpoints", "baseline", "history")
 """Parameters the engine fills: a directory for artifacts, a stable directory for checkpoints that

@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.files import write_atomic
 from pipelines.mlflow_store import prepare_store, sqlite_path
 from pipelines.schema import TrackingConfig
 from pipelines.tracking import MlflowTracker
-from training.files import write_atomic
 
 QUEUE = "mlflow-pending"
 ORPHAN_AFTER_S = 60.0

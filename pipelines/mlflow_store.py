@@ -14,7 +14,7 @@ import fcntl
 from collections.abc import Iterator
 from pathlib import Path
 
-from training.config import ConfigError
+from common.errors import ConfigError
 
 SQLITE = "sqlite:///"
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from common.errors import ConfigError
+from common.files import write_atomic
 from pipelines.cache import Cache, Entry, digest, stage_key, targets_code
 from pipelines.calibration import calibration_key
 from pipelines.configtools import flatten, to_jsonable
@@ -38,8 +40,6 @@ from pipelines.tracking import (
     make_tracker,
 )
 from pipelines.validate import check_placement, keep_contract_facts
-from training.config import ConfigError
-from training.files import write_atomic
 from training.units import GIB
 
 SUMMARY = SUMMARY_ARTIFACT  # the run dir's file is the one logged at the root of its MLflow run

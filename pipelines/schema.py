@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
+from common.errors import ConfigError
 from pipelines.configtools import Tagged, hydra_schema
 from pipelines.redact import redact_mapping, redact_text
 from training.config import (
     BandwidthConfig,
     ClusterConfig,
-    ConfigError,
     DataConfig,
     EnvConfig,
     LrFindConfig,

@@ -19,9 +19,9 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from common.errors import ConfigError
 from pipelines.schema import TrackingConfig
 from pipelines.summary import RunSummary, read_summaries
-from training.config import ConfigError
 
 REPORT_DIR = "study"
 
@@ -173,8 +173,8 @@ class RedactSweepConfig(Callback):
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
         from omegaconf import OmegaConf
 
+        from common.files import write_atomic
         from pipelines.redact import redact_override, redact_tree
-        from training.files import write_atomic
 
         try:
             path = Path(str(config.hydra.sweep.dir)) / "multirun.yaml"

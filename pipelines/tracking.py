@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from common.errors import ConfigError
 from pipelines.mlflow_store import prepare_store, schema_lock
 from pipelines.schema import TrackingConfig
 from pipelines.summary import RunSummary, read_summaries
-from training.config import ConfigError
 
 BATCH = 1000
 SUMMARY_ARTIFACT = "summary.json"

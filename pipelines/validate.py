@@ -14,12 +14,13 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.errors import ConfigError
+from common.files import write_atomic
 from pipelines.cache import code_version, digest, targets_code
 from pipelines.configtools import from_dict, to_jsonable
 from pipelines.schema import Config
-from training.config import WHATIF_PRECISIONS, ConfigError
+from training.config import WHATIF_PRECISIONS
 from training.contract import ContractFacts
-from training.files import write_atomic
 from training.parallel.dims import ParallelDims, expert_parallel_problem, resolve_dims
 from training.parallel.schedules import checkpointing_problem, data_parallel_problem, microbatches_problem
 

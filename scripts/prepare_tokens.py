@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from training.files import atomic_file, write_atomic  # noqa: E402
+from common.files import atomic_file, write_atomic  # noqa: E402
 
 UINT16_VOCAB = 2**16
 

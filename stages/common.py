@@ -7,9 +7,9 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.files import write_atomic
 from pipelines.progress import PROGRESS_ENV
 from training.config import DataConfig, ModelConfig
-from training.files import write_atomic
 
 if TYPE_CHECKING:
     import torch

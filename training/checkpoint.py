@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.serialization import default_restore_location
 
+from common.files import write_atomic
 from training import strategies
 from training.dist import checkpoint_timeout, device, is_dist, is_main, rank
-from training.files import write_atomic
 from training.loop import Resume
 from training.optim import MasterAdamW
 from training.parallel.chunks import PipelineChunks

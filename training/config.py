@@ -11,20 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.errors import ConfigError
 from training import strategies
 from training.parallel.schedules import PP_SCHEDULES, virtual_stages_problem
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration error: the key, the bad value and what is allowed."""
-
-    def __init__(self, key: str, value: object, allowed: str):
-        self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"{key}={value!r}: {allowed}")
-
-    def prefixed(self, prefix: str) -> ConfigError:
-        """The same error with the key qualified by its parent (`steps` -> `train.steps`)."""
-        return ConfigError(f"{prefix}.{self.key}" if prefix else self.key, self.value, self.allowed)
 
 
 def _at_least(key: str, value: int | float | None, low: float, what: str = "an integer") -> None:

@@ -16,7 +16,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from training.config import TARGET_KEY, ConfigError, DataConfig, ModelConfig
+from common.errors import ConfigError
+from training.config import TARGET_KEY, DataConfig, ModelConfig
 
 REAL_FORWARD_MAX_BYTES = 2 * 1024**3
 """Models up to this many bytes of fp32 parameters are checked with a real forward on the CPU

@@ -34,13 +34,13 @@ import ray.train
 from ray.train import BackendConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
+from common.errors import ConfigError
 from pipelines.launchers.base import StageFailed, Task, WorldSpec, probe_placement, worker_pythonpath
 from pipelines.launchers.ray_agent import WAIT_S, Command, Mailbox, agent
 from pipelines.launchers.tasks import describe_failure
 from pipelines.launchers.worker import ERROR_FILE
 from pipelines.placement import Placement
 from pipelines.schema import LauncherConfig
-from training.config import ConfigError
 
 CONNECT_TIMEOUT_S = 5.0
 DEATH_NOTICE_S = 60.0

@@ -30,6 +30,7 @@ from typing import Any
 
 import ray
 
+from common.files import write_atomic
 from pipelines.launchers.base import Task
 from pipelines.launchers.worker import (
     BACKEND_ENV,
@@ -42,7 +43,6 @@ from pipelines.launchers.worker import (
     select_device,
 )
 from training.dist import CHECKPOINT_TIMEOUT_ENV, TIMEOUT_ENV
-from training.files import write_atomic
 
 WAIT_S = 1.0
 """Longest wait on the mailbox before asking again (a wait ends early when there is news)."""

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.errors import ConfigError
+from common.files import write_atomic
 from pipelines.launchers.base import StageFailed, Task, WorldSpec, probe_placement, worker_pythonpath
 from pipelines.launchers.resources import cpus_per_task, slurm_nodes
 from pipelines.launchers.tasks import describe_failure, read_result, remove_task, write_task
@@ -50,8 +52,6 @@ from pipelines.launchers.worker import (
 )
 from pipelines.placement import Placement
 from pipelines.schema import Config, LauncherConfig
-from training.config import ConfigError
-from training.files import write_atomic
 
 ALLOCATION_ENV = "SCALESTUDY_SLURM_ALLOCATION"
 """Set by a submit_only batch job: the allocation the driver runs in, to use instead of asking."""

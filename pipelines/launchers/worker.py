@@ -22,10 +22,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from common.files import write_atomic
 from pipelines.launchers.base import Task
 from pipelines.progress import PROGRESS_ENV, progress_file
 from training.dist import CHECKPOINT_TIMEOUT_ENV, TIMEOUT_ENV
-from training.files import write_atomic
 
 RESULT_FILE = "result.pkl"
 ERROR_FILE = "error-rank{rank}.json"

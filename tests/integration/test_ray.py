@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from common.errors import ConfigError
 from pipelines.launchers.base import StageFailed, Task, WorldSpec
 from pipelines.schema import RayLauncherConfig
 from stages.env_check import EnvInputs
 from tests.dist.test_strategies import TOL, train_inputs
 from tests.helpers import run_world
-from training.config import ConfigError, EnvConfig, StrategyConfig
+from training.config import EnvConfig, StrategyConfig
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from common.errors import ConfigError
 from pipelines.cli import UserError, precheck, split_argv, sweep_points
-from training.config import ConfigError
 
 
 def test_defaults_compose_to_the_documented_run(compose_cfg):

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
+from common.errors import ConfigError
 from pipelines.dag import build
 from pipelines.launchers.local import LocalLauncher
 from pipelines.runner import Runner
 from pipelines.schema import LauncherConfig, PipelineConfig, StageSpec
 from pipelines.tracking import NullTracker
-from training.config import ConfigError
 
 TOY = "tests.unit.toy_stages"
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.errors import ConfigError
 from pipelines.cli import UserError, precheck
-from training.config import ConfigError, ModelConfig
+from training.config import ModelConfig
 from training.models.spec import ContractError, model_spec
 
 

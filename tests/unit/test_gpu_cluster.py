@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
+from common.errors import ConfigError
 from pipelines.launchers.resources import SlurmNodes, gpus_in_gres, parse_sinfo
 from pipelines.placement import NodeIdentity, Placement
 from pipelines.schema import RayLauncherConfig
 from tests.unit.test_slurm_params import ROOT, check_golden
-from training.config import ConfigError
 
 H100 = "NVIDIA H100 80GB HBM3"
 

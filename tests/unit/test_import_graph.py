@@ -8,8 +8,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from pipelines.cache import PACKAGES
+
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("pipelines", "stages", "training", "reports")
 
 
 def _runtime_imports(tree: ast.AST) -> set[str]:

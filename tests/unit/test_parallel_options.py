@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.errors import ConfigError
 from training.activations import measure_tp_split
 from training.anatomy import measure_variant
-from training.config import ConfigError, ModelConfig
+from training.config import ModelConfig
 from training.models import batch_loss, build_model, model_loss
 from training.models.spec import ContractError, model_spec
 from training.parallel.ac import apply_ac

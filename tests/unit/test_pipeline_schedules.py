@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.errors import ConfigError
 from pipelines.cli import UserError, precheck
-from training.config import ConfigError, ModelConfig, StrategyConfig
+from training.config import ModelConfig, StrategyConfig
 from training.models.spec import ContractError, Skipped, model_spec
 from training.parallel.chunks import PipelineChunks, chunk_blocks, parts, split
 from training.parallel.schedules import (

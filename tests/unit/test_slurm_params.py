@@ -71,8 +71,8 @@ def test_srun_reports_name_the_ranks_and_how_they_ended():
 
 
 def test_submit_only_refuses_to_write_a_secret_into_the_batch_script(tmp_path, compose_cfg):
+    from common.errors import ConfigError
     from pipelines.launchers.slurm_batch import submit_pipeline
-    from training.config import ConfigError
 
     cfg = compose_cfg("launcher=slurm", "launcher.submit_only=true")
     with pytest.raises(ConfigError, match=r"https://\*\*\*@host"):

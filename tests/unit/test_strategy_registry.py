@@ -8,8 +8,9 @@ import dataclasses
 
 import pytest
 
+from common.errors import ConfigError
 from training import strategies
-from training.config import ConfigError, StrategyConfig
+from training.config import StrategyConfig
 from training.strategies import Strategy
 
 TOY = Strategy(name="toyshard", summary="FSDP sharding gradients and optimizer state, under another name",
