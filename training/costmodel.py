@@ -988,7 +988,8 @@ point each: with one zero3 run at world 2 beside world 1's, its communication sc
 per call trade off freely. Measured on this project's 2-core host (bench_planner's points, three
 sets, 2026-12-03), each point predicted from a fit to the five others: without the prior zero3 at
 world 4 read 1.26, 1.76 and 1.59x its measured step (5, 3 and 5 of 6 points within 15 %); with
-it 1.09, 0.88 and 0.96 (6, 5 and 6 of 6), the other points moving by at most 0.03. Compute has a
+it 1.09, 0.88 and 0.96 (6, 5 and 6 of 6); of the other points the most moved was zero3 at world 2
+in the second set, 0.83 -> 0.90, the rest by at most 0.03. Compute has a
 column in every run, so it has no prior: one run at world 1 sets it exactly."""
 
 
