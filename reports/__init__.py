@@ -1,2 +1,2 @@
 """Reports: the plots and the study report, read from stage results; the run report stage
-(stages/report.py), the study callback (pipelines/study.py) and compare (stages/compare.py) write them."""
+(stages/report.py), the sweep's study callback (reports/sweep.py) and compare (stages/compare.py) write them."""

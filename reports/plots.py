@@ -5,8 +5,8 @@ One function per plot, each drawn from the stages' typed results: the curves bot
 or a study's. Each writes the PNG at `path` and returns its file name, or None when there is
 nothing to draw. Adding a plot to a report is a function here and a line in that report.
 
-It sits under pipelines/ beside the study report, which the sweep callback (pipelines/study.py)
-uses; the run report, a stage, imports it as stages import the engine. It reads results by
+It sits beside the study report, which the sweep callback (reports/sweep.py) writes; the run
+report, a stage, imports it too. It reads results by
 attribute: the stages' types are imported for checking only.
 """
 

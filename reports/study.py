@@ -1,7 +1,7 @@
 """The study report: one study's invocations side by side, as a table, plots, Markdown and HTML.
 
 A study run is one invocation's summary, read by pipelines.summary from a sweep dir (the multirun
-callback, pipelines/study.py) or from MLflow, where every invocation logs its summary.json (the
+callback, reports/sweep.py) or from MLflow, where every invocation logs its summary.json (the
 compare stage, stages/compare.py). Both hand the same RunSummary objects to `StudyRun` and
 `write_study_report`, so the two reports agree by construction.
 """

@@ -1,6 +1,6 @@
-"""The project's modules import one another without a circle. A circle is what ties the engine to
-the application (the study reader once reached the CLI through the summary for one path); each
-import a module makes, at the top or inside a function, counts. Imports only a type checker reads
+"""The project's modules import one another without a circle, and the engine imports no stage. A
+circle is what ties the engine to the application (the study reader once reached the CLI through
+the summary for one path); each import a module makes, at the top or inside a function, counts. Imports only a type checker reads
 (`if TYPE_CHECKING:`) do not: they never run."""
 
 from __future__ import annotations
@@ -90,3 +90,12 @@ def test_no_module_of_the_project_imports_itself_round_a_circle():
     graph = import_graph()
     assert len(graph) > 100 and "pipelines.cache" in graph["pipelines.runner"], "the graph was read"
     assert circles(graph) == []
+
+
+def test_the_engine_imports_no_stage_and_no_report():
+    """pipelines/ runs any DAG of stages named in conf/: it names none (docs/extending.md), and the
+    study report its sweeps end with is the application's, named in conf/config.yaml by _target_."""
+    graph = import_graph()
+    crossing = {name: sorted(d for d in deps if d.startswith(("stages", "reports")))
+                for name, deps in graph.items() if name.startswith("pipelines")}
+    assert {name: deps for name, deps in crossing.items() if deps} == {}
