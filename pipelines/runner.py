@@ -418,8 +418,9 @@ def requested_layout(cfg: Config) -> str:
     from training.parallel.dims import resolve_dims
     from training.search import setting_label
 
-    if cfg.strategy.name == "auto":
-        return f"auto, {cfg.plan.trials} trials" if cfg.plan.trials else "auto"
+    if cfg.strategy.from_plan:
+        name = cfg.strategy.name
+        return f"{name}, {cfg.plan.trials} trials" if cfg.plan.trials else name
     dims = resolve_dims(cfg.strategy, cfg.nodes * cfg.procs_per_node)
     s = cfg.strategy
     return setting_label(dataclasses.asdict(dims), cfg.train.micro_batch_for(dims.dp_size),

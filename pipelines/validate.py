@@ -119,7 +119,7 @@ def _check_memory(cfg: Config, dims: ParallelDims) -> None:
     that would hold the model (training/fit.py counts the model on the meta device)."""
     budget_gib = cfg.cluster.device_memory_gib
     s = cfg.strategy
-    if not cfg.cluster.measured or budget_gib is None or s.name == "auto" or cfg.dry_run:
+    if not cfg.cluster.measured or budget_gib is None or s.from_plan or cfg.dry_run:
         return
     if not {"train", "trials"} & _stages_to_run(cfg):
         return  # the layout is not trained: the stages asked for size themselves (their `fits`)

@@ -133,7 +133,7 @@ def advise(cfg: AdviceInputs, anatomy: Anatomy, costs: list[VariantCost], hw: Ha
     searched = search(space, anatomy.shape, hw, anatomy.tokens_per_sample, anatomy.flops_per_sample,
                       memory_limit, overlap, calibration, command_prefix(cfg))
     requested = None
-    if cfg.strategy.name != "auto":
+    if not cfg.strategy.from_plan:
         micro = cfg.train.micro_batch_for(resolve_dims(cfg.strategy, world).dp_size)
         requested = own_candidate(cfg, anatomy, variants, hw, memory_limit, overlap, calibration, micro, space)
     return searched, requested, variants

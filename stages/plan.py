@@ -179,7 +179,7 @@ class PlanResult:
         if chosen is None or not chosen.fits:
             return f"{self.recommended_strategy}: {self.reasons[0]}{self._sliced()}"
         dims = " x ".join(f"{k}={v}" for k, v in chosen.dims.items() if v > 1)
-        return (f"{chosen.strategy}{f' ({dims})' if chosen.strategy == 'hybrid' else ''} at {self.world_size}, "
+        return (f"{chosen.strategy}{f' ({dims})' if strategies.get(chosen.strategy).any_layout else ''} at {self.world_size}, "
                 f"micro-batch {chosen.micro_batch} x {chosen.grad_accum}, {chosen.precision}: predicted "
                 f"{chosen.tokens_per_s:.0f} tokens/s, efficiency {chosen.scaling_efficiency:.2f}, "
                 f"{chosen.memory_per_device_bytes / GIB:.3f} GiB per device{self._sliced()}")

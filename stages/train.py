@@ -291,10 +291,10 @@ def resolve_strategy(strategy: StrategyConfig, train: TrainConfig, plan: PlanRes
     exceeds one device), that form sharded by zero3 over the ranks it runs on."""
     chosen = trials.chosen if trials is not None and trials.chosen is not None else plan.recommended
     if sharded_baseline:
-        if strategy.name == "auto" and chosen is not None:
+        if strategy.from_plan and chosen is not None:
             strategy, train = candidate_settings(chosen, strategy, train, 1)
         return dataclasses.replace(one_device(strategy), name=SHARDED, dp_shard=-1, cp=None), train, None
-    if strategy.name != "auto" or chosen is None:
+    if not strategy.from_plan or chosen is None:
         # cp=None: a one-device baseline splits no sequence (one_device predates context parallelism).
         return (strategy if world > 1 else dataclasses.replace(one_device(strategy), cp=None)), train, None
     return (*candidate_settings(chosen, strategy, train, world), chosen)

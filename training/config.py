@@ -230,6 +230,11 @@ class StrategyConfig:
             return self.reshard_after_forward
         return strategies.get(self.name).reshard_after_forward
 
+    @property
+    def from_plan(self) -> bool:
+        """A placeholder for the plan's recommendation (strategy=auto; Strategy.from_plan)."""
+        return strategies.from_plan(self.name)
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -417,7 +422,7 @@ class PlanConfig:
         if self.overlap is not None and not 0 <= self.overlap <= 1:
             raise ConfigError("overlap", self.overlap, "must be in [0, 1]")
         for name in self.strategies or []:
-            allowed = [n for n in strategies.names() if n != "auto"]
+            allowed = [n for n in strategies.names() if not strategies.from_plan(n)]
             if name not in allowed:
                 raise ConfigError("strategies", name, f"must be among {', '.join(allowed)}")
         for name in self.precisions or []:

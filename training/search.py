@@ -148,7 +148,7 @@ class Candidate:
     def overrides(self, global_batch: int | None) -> list[str]:
         """The `run.py` overrides that train exactly this candidate."""
         out = [f"strategy={self.strategy}"]
-        if self.strategy == "hybrid":
+        if strategies.get(self.strategy).any_layout:
             out += [f"strategy.{k}={self.dims[k]}" for k in ("dp_replicate", "dp_shard", "tp", "pp")]
         if self.dims.get("cp", 1) > 1:
             out.append(f"strategy.cp={self.dims['cp']}")
@@ -194,12 +194,12 @@ class Searched:
 
 def strategy_name(flavour: str, d: ParallelDims) -> str:
     """What a layout is called: the pure strategy whose preset it is (a data-parallel one by its
-    flavour, a layout one with plain replicas), else `hybrid`, the strategy of any degrees."""
+    flavour, a layout one with plain replicas), else the strategy of any degrees (hybrid)."""
     for s in strategies.REGISTRY.values():
         if s.pure and ParallelDims(**s.degrees_on(d.world_size)) == d and (
                 s.name == flavour if s.is_flavour else flavour == strategies.flavours()[0].name):
             return s.name
-    return "hybrid"
+    return strategies.any_layout().name
 
 
 def divisors(n: int) -> list[int]:
@@ -482,7 +482,7 @@ def setting_label(dims: dict[str, int], micro_batch: int, grad_accum: int, preci
 
 def describe(c: Candidate) -> str:
     """One line of the table of candidates."""
-    name = c.strategy if c.strategy != "hybrid" or c.dims["dp_shard"] == 1 else f"hybrid/{c.flavour}"
+    name = c.strategy if not strategies.get(c.strategy).any_layout or c.dims["dp_shard"] == 1 else f"{c.strategy}/{c.flavour}"
     layout = dims_label(c.dims) + (f" {c.pp_schedule}/{c.microbatches}" if c.dims["pp"] > 1 else "")
     return (f"{name:<12} {layout:<22} mb {c.micro_batch:<3} acc {c.grad_accum:<3} {c.precision:<4} "
             f"ac {c.activation_checkpointing:<4} {c.memory_per_device_bytes / GIB:>8.2f} GiB "

@@ -5,11 +5,22 @@ conf/strategy/<name>.yaml (docs/extending.md)."""
 
 import importlib
 
-from training.strategies.base import REGISTRY, Strategy, flavour_of, flavours, get, names, register
+from training.strategies.base import (
+    REGISTRY,
+    Strategy,
+    any_layout,
+    flavour_of,
+    flavours,
+    from_plan,
+    get,
+    names,
+    register,
+)
 
 BUILTIN = ("ddp", "zero1", "zero2", "zero3", "tp", "pp", "hybrid", "auto")
 """The built-in strategies' modules, in the order of the plan's tables and curves."""
 for _module in BUILTIN:
     importlib.import_module(f"training.strategies.{_module}")
 
-__all__ = ["BUILTIN", "REGISTRY", "Strategy", "flavour_of", "flavours", "get", "names", "register"]
+__all__ = ["BUILTIN", "REGISTRY", "Strategy", "any_layout", "flavour_of", "flavours", "from_plan", "get", "names",
+           "register"]

@@ -48,6 +48,12 @@ class Strategy:
     """Why its wrapper cannot be measured on a one-rank group (the overhead probe), or None."""
     one_device: str = "ddp"
     """The strategy its 1-device baseline trains as."""
+    from_plan: bool = False
+    """A placeholder for the plan's recommendation (auto): the train stage trains the plan's whole
+    layout and knobs instead, and nothing of its own is checked, measured or searched."""
+    any_layout: bool = False
+    """It trains whatever degrees it is given (hybrid): the advisor names a layout that no pure
+    strategy presets after it, with the degrees as overrides."""
 
     def __post_init__(self) -> None:
         unknown = set(self.shards) - set(SHARDABLE)
@@ -87,6 +93,17 @@ def get(name: str) -> Strategy:
 
 def names() -> tuple[str, ...]:
     return tuple(REGISTRY)
+
+
+def from_plan(name: str) -> bool:
+    """Whether strategy `name` stands for the plan's recommendation (Strategy.from_plan)."""
+    return get(name).from_plan
+
+
+def any_layout() -> Strategy:
+    """The strategy that trains any degrees it is given (Strategy.any_layout): there is one."""
+    (strategy,) = (s for s in REGISTRY.values() if s.any_layout)
+    return strategy
 
 
 def flavours() -> list[Strategy]:
