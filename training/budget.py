@@ -4,7 +4,7 @@ out-of-memory would.
 On CUDA the allocator knows: the peak is `torch.cuda.max_memory_reserved` and its out-of-memory
 error is the budget. The CPU has no per-device allocator, so `StorageTracker` counts what a device
 would hold: the bytes of every live tensor storage on the CPU, each storage once however many
-views share it (the accounting of the dry run, `training.parallel.dryrun`). It is a dispatch mode:
+views share it (the accounting of the dry run, `training.dryrun`). It is a dispatch mode:
 it sees every op this thread runs and autograd runs for it (forward, backward, the optimizer,
 DTensor's local ops, FSDP2's and DDP's buffers, gloo collectives' outputs), and the storage
 resizes FSDP2 frees and re-allocates its unsharded parameters with. A storage counts from the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from training.config import ModelConfig, StrategyConfig
-from training.parallel.dryrun import plan_layout
+from training.dryrun import plan_layout
 
 SMALL = ModelConfig(name="gpt-small", kwargs=dict(vocab_size=50304, seq_len=1024, d_model=768, n_layers=12, n_heads=12))
 FULL_PARAM_BYTES = plan_layout(SMALL, StrategyConfig(name="ddp"), 1)[0].param_bytes

@@ -38,8 +38,8 @@ def test_an_unregistered_strategy_is_one_line_listing_the_registered_ones():
 
 def test_parallelize_applies_it_and_the_dry_run_lays_it_out(toy):
     from tests.unit.test_dryrun import FULL_PARAM_BYTES, SMALL
+    from training.dryrun import plan_layout
     from training.parallel.compose import resolve_dims, techniques
-    from training.parallel.dryrun import plan_layout
 
     cfg = StrategyConfig(name="toyshard")
     assert techniques(cfg, resolve_dims(cfg, 8)) == techniques(StrategyConfig(name="zero2"),
