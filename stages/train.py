@@ -319,7 +319,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     from training.budget import stage_peak_bytes
     from training.data import GlobalBatches, first_samples, loader
     from training.flops import peak_column, peak_flops
-    from training.loop import lr_lambda, train_loop
+    from training.loop import Hooks, LoopShape, lr_lambda, train_loop
     from training.models import tokens_per_sample
     from training.models.moe import ExpertLoads, merge_counts, rank_imbalance, step_imbalance
     from training.parallel.compose import build_optimizer, parallelize
@@ -353,17 +353,14 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     sampler = SystemSampler(t.system_metrics_s, node_id()) if sampling else contextlib.nullcontext()
     with sampler:
         data = iter(loader(bench.dataset, batches, first, t.steps, cfg.data.num_workers, bench.dev))
-        stats = train_loop(
-            parallel, optimizer, scheduler, data, t.grad_accum, t.steps, t.grad_clip, t.log_every, t.timing_warmup,
-            bench.dev,
+        hooks = Hooks(
             on_log=StepReporter(t.steps, batches.global_batch, first),
-            resume=resume,
-            ckpt_every=t.ckpt_every,
             on_checkpoint=lambda step, losses, lrs: checkpoint.save(
                 checkpoints, step, parallel.model, optimizer, losses, lrs, layout, zero1),
             probe=StepProbe(parallel.model, bench.dev),
             profiler=profiler,
         )
+        stats = train_loop(parallel, optimizer, scheduler, data, LoopShape.of(t), bench.dev, hooks, resume)
     world = dims.world_size
     samples_per_s = stats.timed_steps * batches.global_batch / stats.timed_seconds
     base = baseline.samples_per_s if baseline is not None else samples_per_s

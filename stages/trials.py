@@ -149,11 +149,12 @@ def _measure(cfg: TrialsInputs, candidate: Candidate, lr_find: LrFindResult, wor
     import torch
 
     from training.data import GlobalBatches, loader
-    from training.loop import lr_lambda, train_loop
+    from training.loop import LoopShape, lr_lambda, train_loop
     from training.parallel.compose import build_optimizer, parallelize
 
     strategy, train = candidate_settings(candidate, cfg.strategy, cfg.train, world)
-    train = dataclasses.replace(train, steps=cfg.plan.trial_steps, timing_warmup=UNTIMED, log_every=cfg.plan.trial_steps)
+    train = dataclasses.replace(train, steps=cfg.plan.trial_steps, timing_warmup=UNTIMED, log_every=cfg.plan.trial_steps,
+                                ckpt_every=0)
     bench = workbench(cfg.model, cfg.data, cfg.seed, train.tf32)
     parallel = parallelize(bench.model, bench.spec, strategy, bench.dev, bench.loss)
     dims = parallel.dims
@@ -162,6 +163,5 @@ def _measure(cfg: TrialsInputs, candidate: Candidate, lr_find: LrFindResult, wor
     optimizer = build_optimizer(parallel, train.lr or lr_find.scaled(batches.global_batch), train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(0, train.steps, "constant"))
     data = iter(loader(bench.dataset, batches, 0, train.steps, cfg.data.num_workers, bench.dev))
-    stats = train_loop(parallel, optimizer, scheduler, data, train.grad_accum, train.steps, train.grad_clip,
-                       train.log_every, train.timing_warmup, bench.dev)
+    stats = train_loop(parallel, optimizer, scheduler, data, LoopShape.of(train), bench.dev)
     return statistics.median(stats.step_seconds)  # `run_isolated` frees what the trial held

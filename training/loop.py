@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from training.config import TrainConfig
 from training.dist import all_reduce_sum, synchronize
 from training.memory import StepMemory, StepProbe
 from training.models import Batch
@@ -59,33 +60,60 @@ def lr_lambda(warmup_steps: int, total_steps: int, schedule: str) -> Callable[[i
     return factor
 
 
+@dataclass(frozen=True)
+class LoopShape:
+    """How the loop runs: its steps, each of `accum` micro-batches, and what it does between them."""
+
+    steps: int
+    accum: int
+    grad_clip: float | None
+    log_every: int
+    """Read the losses (the loop's one host sync) every this many steps."""
+    timing_warmup: int
+    """Steps before the timed window."""
+    ckpt_every: int = 0
+    """Hand a checkpoint to `Hooks.on_checkpoint` every this many steps; 0: never."""
+
+    @classmethod
+    def of(cls, train: TrainConfig) -> LoopShape:
+        return cls(train.steps, train.grad_accum, train.grad_clip, train.log_every, train.timing_warmup,
+                   train.ckpt_every)
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What the caller watches the loop with; each optional."""
+
+    on_log: Callable[[int, float], None] | None = None
+    """(step done, its loss) at every read of the losses."""
+    on_checkpoint: Callable[[int, list[float], list[float]], None] | None = None
+    """(step done, losses, lrs) every LoopShape.ckpt_every steps."""
+    probe: StepProbe | None = None
+    """Measures the first step's memory."""
+    profiler: StepProfiler | None = None
+    """Profiles the steps it covers (keep them out of the timed window)."""
+
+
 def train_loop(
     parallel: Parallel,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     micro_batches: Iterator[Batch],
-    accum: int,
-    steps: int,
-    grad_clip: float | None,
-    log_every: int,
-    timing_warmup: int,
+    shape: LoopShape,
     dev: torch.device,
-    on_log: Callable[[int, float], None] | None = None,
+    hooks: Hooks = Hooks(),
     resume: Resume | None = None,
-    ckpt_every: int = 0,
-    on_checkpoint: Callable[[int, list[float], list[float]], None] | None = None,
-    probe: StepProbe | None = None,
-    profiler: StepProfiler | None = None,
 ) -> LoopStats:
-    """Run optimizer steps [resume.step or 0, steps), each on the next `accum` micro-batches of
-    `micro_batches` (this rank's, in order). `probe`, if given, measures the first one; `profiler`
-    profiles the steps it covers (keep them out of the timed window)."""
+    """Run optimizer steps [resume.step or 0, shape.steps), each on the next `shape.accum`
+    micro-batches of `micro_batches` (this rank's, in order), watched by `hooks`."""
+    steps, accum, grad_clip = shape.steps, shape.accum, shape.grad_clip
+    probe, profiler, on_log, on_checkpoint = hooks.probe, hooks.profiler, hooks.on_log, hooks.on_checkpoint
     first = resume.step if resume else 0
     losses: list[float] = list(resume.losses) if resume else []
     lrs: list[float] = list(resume.lrs) if resume else []
     pending: list[torch.Tensor] = []
     memory: list[StepMemory] = []
-    timed_from = min(first + timing_warmup, steps - 1)
+    timed_from = min(first + shape.timing_warmup, steps - 1)
     start = time.perf_counter()
     marks = StepMarks(dev)
     parallel.model.train()
@@ -111,8 +139,8 @@ def train_loop(
             synchronize(dev)
             profiler.stop()
         done = step + 1
-        checkpoint = ckpt_every > 0 and done % ckpt_every == 0 and done < steps
-        if done % log_every == 0 or done == steps or checkpoint:
+        checkpoint = shape.ckpt_every > 0 and done % shape.ckpt_every == 0 and done < steps
+        if done % shape.log_every == 0 or done == steps or checkpoint:
             # The only host sync of the loop: losses of every rank that computes one, averaged.
             losses.extend((all_reduce_sum(torch.stack(pending)) / parallel.loss_owners).tolist())
             pending.clear()
