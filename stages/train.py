@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.advice import candidate_settings, one_device
-from stages.common import log, progress, workbench
+from stages.common import log, progress
 from stages.lr_find import LrFindResult
 from stages.plan import PlanResult
 from stages.trials import TrialsResult
@@ -25,7 +25,6 @@ from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig
 from training.costmodel import MeasuredStep, StepPrediction
 from training.dist import gather_objects, rank, world_size
 from training.fit import SHARDED
-from training.lr_finder import scale_lr
 from training.memory import StepProbe
 from training.profile import StepProfiler, TimeSplit
 from training.search import Candidate
@@ -300,47 +299,28 @@ def resolve_strategy(strategy: StrategyConfig, train: TrainConfig, plan: PlanRes
     return (*candidate_settings(chosen, strategy, train, world), chosen)
 
 
-def learning_rate(t: TrainConfig, lr_find: LrFindResult, global_batch: int) -> tuple[float, str]:
-    """train.lr, else lr_find's suggestion carried by its rule to the batch this run really uses
-    (the scaled run's batch; the 1-device baseline's smaller one, so it doesn't diverge)."""
-    if t.lr is not None:
-        return t.lr, "train.lr"
-    lr = scale_lr(lr_find.suggested_lr, lr_find.lr_scaling, lr_find.finder_batch, global_batch)
-    return lr, f"lr_find ({lr_find.lr_scaling} rule, batch {lr_find.finder_batch} -> {global_batch})"
-
-
 def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: TrialsResult | None,
         baseline: TrainResult | None, checkpoints: Path) -> TrainResult:
     # Here, not at the top: FSDP, pipelining and dynamo cost ~1 s to import, and the driver
     # imports this module for TrainResult on every invocation, a fully cached one included.
-    import torch
-
+    from stages.setting import build_setting, run_setting
     from training import checkpoint
     from training.budget import stage_peak_bytes
-    from training.data import GlobalBatches, first_samples, loader
+    from training.data import first_samples
     from training.flops import peak_column, peak_flops
-    from training.loop import Hooks, LoopShape, lr_lambda, train_loop
+    from training.loop import Hooks
     from training.models import tokens_per_sample
     from training.models.moe import ExpertLoads, merge_counts, rank_imbalance, step_imbalance
-    from training.parallel.compose import build_optimizer, parallelize
 
-    t = cfg.train
     sharded_baseline = baseline is None and cfg.world_size is not None and 1 < world_size() < cfg.world_size
     strategy, t, chosen = resolve_strategy(cfg.strategy, cfg.train, plan, trials, world_size(), sharded_baseline)
-    bench = workbench(cfg.model, cfg.data, cfg.seed, t.tf32)
+    setting = build_setting(cfg.model, cfg.data, cfg.seed, strategy, t, lr_find)
+    bench, parallel, batches, optimizer = setting.bench, setting.parallel, setting.batches, setting.optimizer
     tokens = tokens_per_sample(first_samples(bench.dataset, 1))
-    parallel = parallelize(bench.model, bench.spec, strategy, bench.dev, bench.loss)
     dims = parallel.dims
-    batches = GlobalBatches(len(bench.dataset), t.micro_batch_for(dims.dp_size), t.grad_accum, parallel.dp_rank,
-                            dims.dp_size, cfg.seed)
-    peak_lr, lr_source = learning_rate(t, lr_find, batches.global_batch)
-    optimizer = build_optimizer(parallel, peak_lr, t.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.warmup_steps, t.steps, t.schedule))
     layout = checkpoint.Layout(strategy.name, dims.world_size)
     zero1 = parallel.shard_optimizer and parallel.dp_group is not None
     resume = checkpoint.load(checkpoints, parallel.model, optimizer, layout, zero1)
-    for _ in range(resume.step if resume else 0):
-        scheduler.step()
     if resume:
         log("train", f"resumed from the checkpoint of step {resume.step}")
     first = resume.step if resume else 0
@@ -352,7 +332,6 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     sampling = t.system_metrics_s > 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0
     sampler = SystemSampler(t.system_metrics_s, node_id()) if sampling else contextlib.nullcontext()
     with sampler:
-        data = iter(loader(bench.dataset, batches, first, t.steps, cfg.data.num_workers, bench.dev))
         hooks = Hooks(
             on_log=StepReporter(t.steps, batches.global_batch, first),
             on_checkpoint=lambda step, losses, lrs: checkpoint.save(
@@ -360,7 +339,7 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
             probe=StepProbe(parallel.model, bench.dev),
             profiler=profiler,
         )
-        stats = train_loop(parallel, optimizer, scheduler, data, LoopShape.of(t), bench.dev, hooks, resume)
+        stats = run_setting(setting, cfg.data.num_workers, hooks, resume)
     world = dims.world_size
     samples_per_s = stats.timed_steps * batches.global_batch / stats.timed_seconds
     base = baseline.samples_per_s if baseline is not None else samples_per_s
@@ -397,8 +376,8 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
         final_loss=stats.losses[-1],
         losses=stats.losses,
         lrs=stats.lrs,
-        lr=peak_lr,
-        lr_source=lr_source,
+        lr=setting.lr,
+        lr_source=setting.lr_source,
         global_batch=batches.global_batch,
         micro_batch=batches.micro,
         grad_accum=t.grad_accum,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from stages.advice import candidate_settings
-from stages.common import log, progress, workbench
+from stages.common import log, progress
 from stages.lr_find import LrFindResult
 from stages.plan import PlanResult
 from training.config import DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
@@ -146,22 +146,12 @@ def run(cfg: TrialsInputs, *, plan: PlanResult, lr_find: LrFindResult) -> Trials
 
 def _measure(cfg: TrialsInputs, candidate: Candidate, lr_find: LrFindResult, world: int) -> float:
     """The median step of a short run of `candidate` (this rank's)."""
-    import torch
-
-    from training.data import GlobalBatches, loader
-    from training.loop import LoopShape, lr_lambda, train_loop
-    from training.parallel.compose import build_optimizer, parallelize
+    from stages.setting import build_setting, run_setting
 
     strategy, train = candidate_settings(candidate, cfg.strategy, cfg.train, world)
+    # Short, untimed at first, at the peak LR throughout (no warm-up to wait for), no checkpoints.
     train = dataclasses.replace(train, steps=cfg.plan.trial_steps, timing_warmup=UNTIMED, log_every=cfg.plan.trial_steps,
-                                ckpt_every=0)
-    bench = workbench(cfg.model, cfg.data, cfg.seed, train.tf32)
-    parallel = parallelize(bench.model, bench.spec, strategy, bench.dev, bench.loss)
-    dims = parallel.dims
-    batches = GlobalBatches(len(bench.dataset), train.micro_batch_for(dims.dp_size), train.grad_accum,
-                            parallel.dp_rank, dims.dp_size, cfg.seed)
-    optimizer = build_optimizer(parallel, train.lr or lr_find.scaled(batches.global_batch), train.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(0, train.steps, "constant"))
-    data = iter(loader(bench.dataset, batches, 0, train.steps, cfg.data.num_workers, bench.dev))
-    stats = train_loop(parallel, optimizer, scheduler, data, LoopShape.of(train), bench.dev)
+                                ckpt_every=0, warmup_steps=0, schedule="constant")
+    setting = build_setting(cfg.model, cfg.data, cfg.seed, strategy, train, lr_find)
+    stats = run_setting(setting, cfg.data.num_workers)
     return statistics.median(stats.step_seconds)  # `run_isolated` frees what the trial held
