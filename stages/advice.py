@@ -142,7 +142,7 @@ def advise(cfg: AdviceInputs, anatomy: Anatomy, costs: list[VariantCost], hw: Ha
 def own_candidate(cfg: AdviceInputs, anatomy: Anatomy, variants: list[Variant], hw: Hardware, memory_limit: float,
                   overlap: float, calibration: Calibration | None, micro: int, space: Space) -> Candidate | None:
     """The layout and knobs this invocation asked for, predicted as a candidate."""
-    from training.search import _candidate
+    from training.search import candidate_of
 
     world = cfg.nodes * cfg.procs_per_node
     d = resolve_dims(cfg.strategy, world)
@@ -157,7 +157,7 @@ def own_candidate(cfg: AdviceInputs, anatomy: Anatomy, variants: list[Variant], 
     p = predict_layout(w, hw, flavour, d, memory_limit, overlap, 1.0 / own.seconds_per_sample, calibration, name)
     if p is None:
         return None
-    return _candidate(p, flavour, d, w, own, cfg.strategy.pp_schedule, cfg.strategy.bucket_cap_mb,
+    return candidate_of(p, flavour, d, w, own, cfg.strategy.pp_schedule, cfg.strategy.bucket_cap_mb,
                       anatomy.flops_per_sample, dataclasses.replace(space, global_batch=cfg.train.global_batch),
                       command_prefix(cfg))
 

@@ -357,7 +357,7 @@ class _Setting:
                                1.0 / self.variant.seconds_per_sample, self.calibration, self.name)
             if p is None:
                 continue
-            c = _candidate(p, self.flavour, self.d, w, self.variant, point[2], bucket, self.model_flops_per_sample,
+            c = candidate_of(p, self.flavour, self.d, w, self.variant, point[2], bucket, self.model_flops_per_sample,
                            self.space, self.command_prefix)
             if best is None or (c.fits, c.tokens_per_s) > (best.fits, best.tokens_per_s):
                 best = c
@@ -394,8 +394,10 @@ def _walk(s: _Setting) -> tuple[list[Candidate], int]:
     return kept + ([lowest] if lowest is not None else []), held
 
 
-def _candidate(p: Prediction, flavour: str, d: ParallelDims, w: Workload, variant: Variant, schedule: str,
+def candidate_of(p: Prediction, flavour: str, d: ParallelDims, w: Workload, variant: Variant, schedule: str,
                bucket: float, model_flops_per_sample: float, space: Space, command_prefix: str) -> Candidate:
+    """The candidate prediction `p` makes of layout `d` (as `flavour`) at workload `w`: its knobs, its
+    numbers, and the `run.py` command that trains it (the search's, and the advisor's `requested`)."""
     per_device = p.samples_per_s / d.world_size
     candidate = Candidate(
         strategy=p.strategy, flavour=flavour,

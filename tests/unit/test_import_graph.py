@@ -99,3 +99,18 @@ def test_the_engine_imports_no_stage_and_no_report():
     crossing = {name: sorted(d for d in deps if d.startswith(("stages", "reports")))
                 for name, deps in graph.items() if name.startswith("pipelines")}
     assert {name: deps for name, deps in crossing.items() if deps} == {}
+
+
+def test_no_module_imports_a_private_name_of_another_package():
+    """`from training.search import _candidate` reached into another package's internals; a name
+    another package needs is public."""
+    private = []
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    top = node.module.split(".")[0]
+                    if top in PACKAGES and top != package:
+                        private += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                                    if a.name.startswith("_") and not a.name.startswith("__")]
+    assert private == []
