@@ -9,7 +9,8 @@ import pytest
 from pipelines.configtools import to_jsonable
 from pipelines.summary import SUMMARY_VERSION, read_summary
 from reports.study import StudyRun, latest_per_point, regrets, study_runs, table_rows, table_text
-from stages.train import PredictionCheck, TrainResult
+from stages.prediction import PredictionCheck
+from stages.train import TrainResult
 from stages.trials import TrialsResult
 from training.costmodel import Prediction, StepPrediction
 from training.search import Candidate
