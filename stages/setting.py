@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 from stages.common import Workbench, workbench
 from stages.lr_find import LrFindResult
 from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig
-from training.lr_finder import scale_lr
 
 if TYPE_CHECKING:
     from training.data import GlobalBatches
@@ -27,8 +26,7 @@ def learning_rate(t: TrainConfig, lr_find: LrFindResult, global_batch: int) -> t
     (the scaled run's batch; the 1-device baseline's smaller one, so it doesn't diverge)."""
     if t.lr is not None:
         return t.lr, "train.lr"
-    lr = scale_lr(lr_find.suggested_lr, lr_find.lr_scaling, lr_find.finder_batch, global_batch)
-    return lr, f"lr_find ({lr_find.lr_scaling} rule, batch {lr_find.finder_batch} -> {global_batch})"
+    return lr_find.scaled(global_batch), f"lr_find ({lr_find.lr_scaling} rule, batch {lr_find.finder_batch} -> {global_batch})"
 
 
 @dataclass
