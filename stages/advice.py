@@ -102,10 +102,7 @@ def variant(cfg: AdviceInputs, cost: VariantCost, own: VariantCost, hw: Hardware
         float8 = cost.float8_flops_per_sample
         rest = cost.executed_flops_per_sample - float8
         seconds = (rest / peak + (float8 / cfg.cluster.fp8_peak_flops if float8 else 0.0)) / cfg.cluster.achievable_mfu
-    return Variant(cost.precision, cost.activation_checkpointing, seconds, cost.activation_bytes_per_sample, peak,
-                   cost.activation_replicated_bytes_per_sample, cost.activation_outside_blocks_bytes_per_sample,
-                   cost.loss_temp_bytes_per_sample, cost.activation_sequence_replicated_bytes_per_sample,
-                   cost.activation_head_bytes_per_sample)
+    return Variant(cost.precision, cost.activation_checkpointing, seconds, cost.activations, peak)
 
 
 def command_prefix(cfg: AdviceInputs) -> str:

@@ -37,6 +37,7 @@ from training import strategies
 from training.collectives import Measurement
 from training.config import ClusterConfig, DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
 from training.costmodel import (
+    Activations,
     Anatomy,
     Calibration,
     Hardware,
@@ -49,6 +50,7 @@ from training.costmodel import (
     fit_link,
     measured_imbalance,
     predict,
+    strategy_workload,
 )
 from training.memory import AuditRow
 from training.parallel.dims import resolve_dims
@@ -284,7 +286,7 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult, anatomy: Anatomy) -> Ru
                     or usable_device_bytes(bandwidth, memory.reserve_ratio)
                     or device_memory_bytes(dev, cfg.procs_per_node))
     if blocks is None:
-        anatomy = dataclasses.replace(anatomy, activation_bytes_per_sample=memory.activation_bytes / micro)
+        anatomy = dataclasses.replace(anatomy, activations=Activations(saved=memory.activation_bytes / micro))
     else:  # the slice's step, carried to the whole depth; the activations stay the meta count's
         del bench, model, parallel, optimizer, step
         compute = extrapolated(cfg, blocks, compute, micro, anatomy)
@@ -427,52 +429,24 @@ def variant_costs(cfg: PlanInputs, anatomy: Anatomy, measured_activations: float
     if measured_activations is not None:
         own = (cfg.strategy.precision, cfg.strategy.activation_checkpointing)
         # The measured step's saved bytes, split as the meta count split them, and its loss temporaries.
-        costs = [dataclasses.replace(c, activation_bytes_per_sample=measured_activations + c.loss_temp_bytes_per_sample,
-                                     activation_replicated_bytes_per_sample=c.loss_temp_bytes_per_sample
-                                     + measured_activations * _share(c.activation_replicated_bytes_per_sample
-                                                                     - c.loss_temp_bytes_per_sample, c))
+        costs = [dataclasses.replace(c, activations=measured_split(c.activations, measured_activations))
                  if (c.precision, c.activation_checkpointing) == own else c for c in costs]
     return costs
 
 
-def _share(part: float, cost) -> float:  # noqa: ANN001 - a training.anatomy.VariantCost
-    """`part` of the bytes `cost` counted saved (its loss temporaries aside), as a fraction."""
-    saved = cost.activation_bytes_per_sample - cost.loss_temp_bytes_per_sample
-    return part / saved if saved else 0.0
-
-
-def with_activations(anatomy: Anatomy, cost) -> Anatomy:  # noqa: ANN001 - a training.anatomy.VariantCost
-    """`anatomy` with the activations of the run's own setting (`cost`)."""
-    return dataclasses.replace(anatomy, activation_bytes_per_sample=cost.activation_bytes_per_sample,
-                               activation_replicated_bytes_per_sample=cost.activation_replicated_bytes_per_sample,
-                               activation_outside_blocks_bytes_per_sample=cost.activation_outside_blocks_bytes_per_sample,
-                               loss_temp_bytes_per_sample=cost.loss_temp_bytes_per_sample,
-                               activation_head_bytes_per_sample=cost.activation_head_bytes_per_sample,
-                               activation_sequence_replicated_bytes_per_sample=(
-                                   cost.activation_sequence_replicated_bytes_per_sample))
+def measured_split(counted: Activations, measured: float) -> Activations:
+    """The `measured` saved bytes per sample split as the `counted` ones split: what TP leaves whole
+    the same share of them; the loss's temporaries (not saved tensors) as counted."""
+    saved = counted.saved - counted.loss_temp
+    share = (counted.tp_replicated - counted.loss_temp) / saved if saved else 0.0
+    return dataclasses.replace(counted, saved=measured + counted.loss_temp,
+                               tp_replicated=counted.loss_temp + measured * share)
 
 
 def workload(cfg: PlanInputs, anatomy: Anatomy) -> Workload:
-    return Workload(
-        shape=anatomy.shape,
-        micro_batch=cfg.train.micro_batch_for(data_parallel_size(cfg)),
-        grad_accum=cfg.train.grad_accum,
-        microbatches=cfg.strategy.microbatches,
-        precision=cfg.strategy.precision,
-        checkpointing=cfg.strategy.activation_checkpointing,
-        tokens_per_sample=anatomy.tokens_per_sample,
-        activation_bytes_per_sample=anatomy.activation_bytes_per_sample,
-        activation_replicated_bytes_per_sample=anatomy.activation_replicated_bytes_per_sample,
-        activation_outside_blocks_bytes_per_sample=anatomy.activation_outside_blocks_bytes_per_sample,
-        loss_temp_bytes_per_sample=anatomy.loss_temp_bytes_per_sample,
-        activation_head_bytes_per_sample=anatomy.activation_head_bytes_per_sample,
-        activation_sequence_replicated_bytes_per_sample=anatomy.activation_sequence_replicated_bytes_per_sample,
-        bucket_cap_bytes=cfg.strategy.bucket_cap_mb * 1024**2,
-        clip=cfg.train.grad_clip is not None,
-        pp_schedule=cfg.strategy.pp_schedule,
-        sequence_parallel=cfg.strategy.sequence_parallel,
-        pp_virtual_stages=cfg.strategy.pp_virtual_stages,
-    )
+    return strategy_workload(anatomy.shape, anatomy.activations, cfg.strategy,
+                             cfg.train.micro_batch_for(data_parallel_size(cfg)), cfg.train.grad_accum,
+                             anatomy.tokens_per_sample, clip=cfg.train.grad_clip is not None)
 
 
 def measured_links(results: list[Measurement], world: int) -> dict[str, Link]:
@@ -639,7 +613,7 @@ def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult,
     costs = variant_costs(cfg, anatomy, measured)
     own = next(c for c in costs if (c.precision, c.activation_checkpointing) ==
                (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
-    anatomy = with_activations(anatomy, own)
+    anatomy = dataclasses.replace(anatomy, activations=own.activations)
     w = dataclasses.replace(workload(cfg, anatomy), expert_imbalance=measured_imbalance(history))
     hw = hardware(cfg, own.executed_flops_per_sample, rulers, bandwidth, micro)
     calibration = fit_calibration(history) if cfg.plan.calibrate else None
@@ -676,7 +650,7 @@ def whatif(cfg: PlanInputs) -> PlanResult:
     costs = variant_costs(cfg, anatomy, None)
     own = next(c for c in costs if (c.precision, c.activation_checkpointing) ==
                (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
-    anatomy = with_activations(anatomy, own)
+    anatomy = dataclasses.replace(anatomy, activations=own.activations)
     w = workload(cfg, anatomy)
     hw = hardware(cfg, own.executed_flops_per_sample, None, None, w.micro_batch)
     fields, reasons = advise_plan(cfg, anatomy, costs, hw, w, None)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
+from training.costmodel import Activations
 from training.memory import SavedActivations
 
 
@@ -50,6 +51,16 @@ class TpSplit:
     `replicated_bytes` and `outside_blocks_bytes`: split over the TP ranks where the trainer splits
     the head by vocabulary (training/parallel/tp.py), as are the loss's temporaries."""
 
+
+    def per_sample(self, samples: int, sequence_norms: bool = True) -> Activations:
+        """These counts per sample, as the cost model takes them: the loss's temporaries counted in
+        what is saved and in every part TP leaves whole. A model with no sequence-parallel norms
+        (`sequence_norms` False) keeps under sequence parallelism what it keeps under TP alone."""
+        temps = self.loss_temp_bytes / samples
+        sequence = self.sequence_replicated_bytes if sequence_norms else self.replicated_bytes
+        return Activations(saved=self.saved_bytes / samples + temps, tp_replicated=self.replicated_bytes / samples + temps,
+                           outside_blocks=self.outside_blocks_bytes / samples, loss_temp=temps,
+                           sp_replicated=sequence / samples + temps, head=self.head_bytes / samples)
 
 OPENS = ("colwise",)
 """Styles whose output is split: a split region starts after them (not `colwise_rep`/`_gather`,

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, bmm_flop, sdpa_backward_flop_count, sdpa_flop_count
 
 from training.config import ModelConfig
-from training.costmodel import Anatomy, Shape
+from training.costmodel import Activations, Anatomy, Shape, extended
 from training.memory import AuditRow, SavedActivations, memory_audit
 from training.models import Batch, LossFn, batch_loss, batch_size, build_model, model_loss, tokens_per_sample
 from training.models.spec import ContractError, ExpertSite, ModelSpec, model_spec, tp_divisors
@@ -155,7 +155,7 @@ def measure_anatomy(model: nn.Module, spec: ModelSpec, loss: LossFn, batch: Batc
                                   top_k=max(top_k.values(), default=0),
                                   expert_flops_share=experts * positions / max(flops.total / samples, 1)),
         flops_per_sample=flops.total / samples,
-        activation_bytes_per_sample=saved.bytes / samples,
+        activations=Activations(saved=saved.bytes / samples),
         tokens_per_sample=tokens_per_sample(batch),
     )
     return Counted(anatomy, flops.convention)
@@ -281,26 +281,9 @@ class VariantCost:
     activation_checkpointing: str
     executed_flops_per_sample: float
     """What the device computes: the model's FLOPs, plus the recomputed forward under checkpointing."""
-    activation_bytes_per_sample: float
-    """Saved for backward, as a GPU's fused attention saves it, and the loss's gradient
-    temporaries at the start of backward (`loss_temp_bytes_per_sample`)."""
-    activation_replicated_bytes_per_sample: float = 0.0
-    """The part of it tensor parallelism leaves whole on every rank (training/activations.py)."""
-    loss_temp_bytes_per_sample: float = 0.0
-    """Of the activation bytes, the loss's gradient temporaries at the start of backward (two fp32
-    copies of the model's output), which are not saved tensors."""
-    activation_outside_blocks_bytes_per_sample: float = 0.0
-    """Of the saved bytes, those saved outside the blocks (embeddings, head, loss)."""
-    activation_sequence_replicated_bytes_per_sample: float = 0.0
-    """The part of `activation_bytes_per_sample` that stays whole on every TP rank under sequence
-    parallelism (strategy.sequence_parallel: what is saved outside the blocks and the final norm,
-    and the loss's temporaries; the rest is split over the TP ranks). For a model that declares no
-    sequence-parallel norms, `activation_replicated_bytes_per_sample`."""
-    activation_head_bytes_per_sample: float = 0.0
-    """Of the bytes saved outside the blocks, those saved after the head (its logits, the loss's
-    softmax): split over the TP ranks with the loss's temporaries where the trainer splits the head
-    by vocabulary (Shape.head_params)."""
-
+    activations: Activations
+    """Saved for backward, as a GPU's fused attention saves it, with the loss's gradient temporaries
+    at the start of backward, and how TP and SP split it (training/activations.py)."""
     float8_flops_per_sample: float = 0.0
     """Of the executed FLOPs, those fp8's Float8 linears run on fp8 tensor cores (every linear's
     matmuls, forward and backward, the recomputed ones included); 0 in any other precision."""
@@ -383,11 +366,6 @@ def _at_depth(cfg: ModelConfig, layers: int) -> ModelConfig:
     return dataclasses.replace(cfg, kwargs=dict(cfg.kwargs, **{DEPTH_KEYS[cfg.target]: layers}))
 
 
-def _extended(one: float, two: float, layers: int) -> float:
-    """A count at `layers` layers from the counts at one and two: outside + layers x one block."""
-    return one + (layers - 1) * (two - one)
-
-
 def _by_layers(cfg: ModelConfig, seed: int, sample: Batch, precision: str, checkpointing: str) -> VariantCost:
     """A large model's meta forward runs every layer op by op (DeepSeek-V3's shape, 256 experts x 61
     layers: 197 s for one variant here; Llama 3 405B's 126 layers, ~13 s). When its blocks are all
@@ -397,9 +375,9 @@ def _by_layers(cfg: ModelConfig, seed: int, sample: Batch, precision: str, check
     if layers is None:
         return _measure_variant(cfg, seed, sample, precision, checkpointing)
     one, two = (_measure_variant(_at_depth(cfg, n), seed, sample, precision, checkpointing) for n in (1, 2))
-    counts = {f.name: _extended(getattr(one, f.name), getattr(two, f.name), layers)
+    counts = {f.name: extended(getattr(one, f.name), getattr(two, f.name), layers)
               for f in dataclasses.fields(VariantCost) if isinstance(getattr(one, f.name), float)}
-    return dataclasses.replace(one, **counts)
+    return dataclasses.replace(one, **counts, activations=one.activations.extended(two.activations, layers))
 
 
 def count_on_meta(cfg: ModelConfig, seed: int, batch: Batch) -> Counted:
@@ -413,7 +391,7 @@ def count_on_meta(cfg: ModelConfig, seed: int, batch: Batch) -> Counted:
         return measure_anatomy(model, spec, model_loss(cfg), batch)
     counted = [count_on_meta(_at_depth(cfg, n), seed, batch) for n in (1, 2)]
     one, two = (c.anatomy for c in counted)
-    flops = _extended(one.flops_per_sample, two.flops_per_sample, layers)
+    flops = extended(one.flops_per_sample, two.flops_per_sample, layers)
     model, spec = build_on_meta(cfg, seed)
     sites = expert_sites(model, spec)
     small = one.shape
@@ -422,8 +400,7 @@ def count_on_meta(cfg: ModelConfig, seed: int, batch: Batch) -> Counted:
                                 context_parallel=small.context_parallel, kv_width=small.kv_width, top_k=small.top_k,
                                 expert_flops_share=experts * small.seq_len / max(flops, 1))
     anatomy = Anatomy(shape=shape, flops_per_sample=flops,
-                      activation_bytes_per_sample=_extended(one.activation_bytes_per_sample,
-                                                            two.activation_bytes_per_sample, layers),
+                      activations=one.activations.extended(two.activations, layers),
                       tokens_per_sample=one.tokens_per_sample)
     return Counted(anatomy, counted[0].flops_convention)
 
@@ -446,11 +423,7 @@ def _measure_variant(cfg: ModelConfig, seed: int, sample: Batch, precision: str,
                                  [b.module for b in spec.blocks], norms,
                                  model.get_submodule(head) if head is not None else None)
     samples = batch_size(sample)
-    temps = split.loss_temp_bytes / samples
-    sequence = split.sequence_replicated_bytes if norms else split.replicated_bytes
-    return VariantCost(precision, checkpointing, flops.total / samples, split.saved_bytes / samples + temps,
-                       split.replicated_bytes / samples + temps, temps, split.outside_blocks_bytes / samples,
-                       sequence / samples + temps, split.head_bytes / samples,
+    return VariantCost(precision, checkpointing, flops.total / samples, split.per_sample(samples, bool(norms)),
                        flops.linear / samples if precision == "fp8" else 0.0)
 
 

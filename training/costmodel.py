@@ -23,12 +23,16 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from training import strategies
 from training.collectives import bus_factor
 from training.parallel.dims import DIM_NAMES, ParallelDims, expert_parallel_problem
 from training.parallel.schedules import SINGLE, V_SHAPED, stage_blocks
 from training.shared_cores import SharedCores, time_share
+
+if TYPE_CHECKING:
+    from training.config import StrategyConfig
 
 COSTMODEL_VERSION = 3
 """Bumped when the predicted components change meaning (2: per-call latency, measured strategy
@@ -112,6 +116,45 @@ class Shape:
 
 
 @dataclass(frozen=True)
+class Activations:
+    """What one sample's step keeps for backward, in bytes, and the parts of it each way of splitting
+    a layer leaves whole: counted on the meta device (training/anatomy.py) or measured from a real
+    step, in one precision and activation checkpointing. The one record of them: a model's anatomy,
+    a searched setting and a workload each hold one (activation_memory divides it)."""
+
+    saved: float = 0.0
+    """Saved for backward (parameters excluded), the loss's gradient temporaries included."""
+    tp_replicated: float = 0.0
+    """The part tensor parallelism leaves whole on every rank without sequence parallelism (what is
+    saved outside the layers its plan splits: norms, residuals, the split linears' inputs); 0: all
+    of it splits, or not measured."""
+    outside_blocks: float = 0.0
+    """The part saved outside the blocks (embeddings, head, loss): on the first and last pipeline
+    stage, not spread over the blocks."""
+    loss_temp: float = 0.0
+    """Of `saved`, the loss's gradient temporaries at the start of backward (two fp32 copies of the
+    model's output, not saved tensors): gone once backward reaches the blocks."""
+    sp_replicated: float = 0.0
+    """The part sequence parallelism leaves whole on every TP rank (outside the blocks and the final
+    norm: the head's input, the logits, the loss's temporaries). For a model that declares no
+    sequence-parallel norms, `tp_replicated`."""
+    head: float = 0.0
+    """Of `outside_blocks`, what is saved after the head (its logits, the loss's softmax): split with
+    the loss's temporaries over the TP ranks where the head is split (Shape.head_params)."""
+
+    def extended(self, two: Activations, layers: int) -> Activations:
+        """These (at one layer) and `two` (the same model at two) at `layers` alike layers."""
+        return Activations(*(extended(one, at_two, layers)
+                             for one, at_two in zip(dataclasses.astuple(self), dataclasses.astuple(two), strict=True)))
+
+
+def extended(one: float, two: float, layers: int) -> float:
+    """A count of a model of alike blocks at `layers` layers from its counts at one and two: what
+    lies outside the blocks plus `layers` times one block's."""
+    return one + (layers - 1) * (two - one)
+
+
+@dataclass(frozen=True)
 class Anatomy:
     """A model as the plan measured it (training/anatomy.py): its shape, and per sample its FLOPs,
     the bytes it saves for backward and its positions."""
@@ -121,21 +164,10 @@ class Anatomy:
     """Forward + backward FLOPs of one sample (counted on the meta device, causal attention's score
     and value products as half the matrix: the plan records the convention; activation
     checkpointing's recomputation not counted, as MFU conventions do)."""
-    activation_bytes_per_sample: float
-    """Bytes autograd saved for backward per sample (parameters excluded), in the measured
-    precision and with the measured activation checkpointing."""
+    activations: Activations
+    """What a sample saves for backward, in the measured precision and activation checkpointing."""
     tokens_per_sample: int
     """Positions per sample (an integer input's length), 1 for feature or image inputs."""
-    activation_replicated_bytes_per_sample: float = 0.0
-    """The part of the activations tensor parallelism leaves whole on every rank (no sequence
-    parallelism: what is saved outside the layers its plan splits); 0: not measured."""
-    activation_outside_blocks_bytes_per_sample: float = 0.0
-    """The part saved outside the blocks (embeddings, head, loss); 0: not measured."""
-    loss_temp_bytes_per_sample: float = 0.0
-    """The loss's gradient temporaries at the start of backward, counted in the activations."""
-    activation_head_bytes_per_sample: float = 0.0
-    activation_sequence_replicated_bytes_per_sample: float = 0.0
-    """Workload's fields of these names."""
 
 
 # ---- memory ---------------------------------------------------------------------------------
@@ -786,18 +818,8 @@ class Workload:
     """strategy.activation_checkpointing: `none`, `selective` or `full` (what the forward's
     collectives repeat in backward)."""
     tokens_per_sample: int
-    activation_bytes_per_sample: float
-    """Bytes saved for backward per sample, measured on one device (or the meta device) with the
-    run's precision and activation checkpointing."""
-    activation_replicated_bytes_per_sample: float = 0.0
-    """The part of them tensor parallelism leaves whole on every rank (what is saved outside the
-    layers its plan splits: norms, residuals, the split linears' inputs); 0: all of it splits."""
-    activation_outside_blocks_bytes_per_sample: float = 0.0
-    """The part saved outside the blocks (embeddings, head, loss): on the first and last pipeline
-    stage, not spread over the blocks."""
-    loss_temp_bytes_per_sample: float = 0.0
-    """Of the activation bytes, the loss's gradient temporaries at the start of backward (two fp32
-    copies of the model's output): gone once backward reaches the blocks."""
+    activations: Activations
+    """What a sample saves for backward in this precision and checkpointing."""
     bucket_cap_bytes: float = 25 * 1024**2
     """DDP's gradient bucket size (strategy.bucket_cap_mb)."""
     seconds_per_sample: float | None = None
@@ -808,18 +830,10 @@ class Workload:
     pp_schedule: str = "1f1b"
     """GPipe keeps every microbatch's activations until the backward; 1F1B at most one per stage."""
     sequence_parallel: bool = False
-    """strategy.sequence_parallel: TP's activations sharded but `activation_sequence_replicated`,
+    """strategy.sequence_parallel: TP's activations sharded but `Activations.sp_replicated`,
     its all-reduces all-gathers and reduce-scatters."""
-    activation_sequence_replicated_bytes_per_sample: float = 0.0
-    """The part of the activations sequence parallelism leaves whole on every rank (outside the
-    blocks: the head's input, the logits, the loss's temporaries)."""
     pp_virtual_stages: int = 1
     """Pipeline stages per rank (interleaved and V-shaped schedules)."""
-    activation_head_bytes_per_sample: float = 0.0
-    """Of the bytes saved outside the blocks, those saved after the head (its logits, the loss's
-    softmax): with the loss's temporaries split over the TP ranks where the model's head is
-    (Shape.head_params), whole on each otherwise."""
-
     expert_imbalance: tuple[tuple[int, float], ...] = ()
     """(ep, measured imbalance) pairs: the busiest expert-parallel rank's routed tokens over the
     mean rank's, per step, averaged (stages/train.py's TrainResult.expert_rank_imbalance); an ep
@@ -850,7 +864,18 @@ class Workload:
         share (torch's loss-parallel backward holds the one-hot zeros, the softmax, their sum and
         then the product beside the saved log-softmax; measured at tp=2: tests/dist/test_memory_budget.py)."""
         split = self.head_split(d)
-        return self.loss_temp_bytes_per_sample * (LOSS_PARALLEL_TEMPS / split if split > 1 else 1)
+        return self.activations.loss_temp * (LOSS_PARALLEL_TEMPS / split if split > 1 else 1)
+
+
+def strategy_workload(shape: Shape, activations: Activations, strategy: StrategyConfig, micro_batch: int,
+                      grad_accum: int, tokens_per_sample: int, clip: bool) -> Workload:
+    """The Workload of a run of `strategy` (its precision, checkpointing, pipeline schedule,
+    sequence parallelism and DDP buckets): the plan's own run and a fit's, built the one way."""
+    return Workload(shape=shape, micro_batch=micro_batch, grad_accum=grad_accum, microbatches=strategy.microbatches,
+                    precision=strategy.precision, checkpointing=strategy.activation_checkpointing,
+                    tokens_per_sample=tokens_per_sample, activations=activations,
+                    bucket_cap_bytes=strategy.bucket_cap_mb * 1024**2, clip=clip, pp_schedule=strategy.pp_schedule,
+                    sequence_parallel=strategy.sequence_parallel, pp_virtual_stages=strategy.pp_virtual_stages)
 
 
 @dataclass(frozen=True)
@@ -1080,14 +1105,14 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
     on the first stage, one on the last), and the last stage also what is saved outside the blocks
     (the head, the loss) and the loss's temporaries, per microbatch in flight; the higher of the
     first and the last stage."""
-    per_sample = w.activation_bytes_per_sample
+    a = w.activations
+    per_sample = a.saved
     split = w.head_split(d)
     if d.tp > 1:
-        kept = (w.activation_sequence_replicated_bytes_per_sample if w.sequence_parallel
-                else w.activation_replicated_bytes_per_sample)
+        kept = a.sp_replicated if w.sequence_parallel else a.tp_replicated
         if split > 1:  # the head's logits and the loss's temporaries are this rank's share
-            kept = max(kept - w.activation_head_bytes_per_sample - w.loss_temp_bytes_per_sample, 0.0)
-            per_sample -= w.loss_temp_bytes_per_sample
+            kept = max(kept - a.head - a.loss_temp, 0.0)
+            per_sample -= a.loss_temp
         per_sample = kept + (per_sample - kept) / d.tp + (w.loss_temps(d) if split > 1 else 0.0)
     dtype = COMPUTE_BYTES[w.precision]
     kv = mask = 0.0
@@ -1099,7 +1124,7 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
     kept_kv, recomputing_kv = (kv * layers, 0.0) if w.checkpointing == "none" else (0.0, kv)
     if d.pp == 1:
         return (per_sample + kept_kv + recomputing_kv) * w.micro_batch + mask
-    tail = w.activation_outside_blocks_bytes_per_sample - w.activation_head_bytes_per_sample * (1 - 1 / split)
+    tail = a.outside_blocks - a.head * (1 - 1 / split)
     ends = min(tail + w.loss_temps(d), per_sample)
     blocks = (per_sample - ends) * layers / max(w.shape.layers, 1) + kept_kv
     per_micro = w.micro_batch / w.microbatches

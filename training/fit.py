@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from training.config import DataConfig, ModelConfig, StrategyConfig
-from training.costmodel import Memory, Shape, Workload, memory_breakdown
+from training.costmodel import Activations, Memory, Shape, memory_breakdown, strategy_workload
 from training.parallel.dims import resolve_dims
 from training.units import GIB
 
@@ -23,12 +23,7 @@ SHARDED = "zero3"
 @dataclass(frozen=True)
 class Counted:
     shape: Shape
-    activation_bytes_per_sample: float
-    activation_replicated_bytes_per_sample: float
-    activation_outside_blocks_bytes_per_sample: float = 0.0
-    loss_temp_bytes_per_sample: float = 0.0
-    activation_sequence_replicated_bytes_per_sample: float = 0.0
-    activation_head_bytes_per_sample: float = 0.0
+    activations: Activations
 
 
 _COUNTED: dict[str, Counted] = {}
@@ -49,10 +44,7 @@ def counted(model: ModelConfig, data: DataConfig, seed: int, precision: str, che
         shape = shape_of(model_nn, spec, hidden=1, positions=1)
         sample = to_device(first_samples(build_dataset(data), 1), torch.device("meta"))
         cost = measure_variant(model, seed, sample, precision, checkpointing)
-        _COUNTED[key] = Counted(shape, cost.activation_bytes_per_sample, cost.activation_replicated_bytes_per_sample,
-                                cost.activation_outside_blocks_bytes_per_sample, cost.loss_temp_bytes_per_sample,
-                                cost.activation_sequence_replicated_bytes_per_sample,
-                                cost.activation_head_bytes_per_sample)
+        _COUNTED[key] = Counted(shape, cost.activations)
     return _COUNTED[key]
 
 
@@ -72,9 +64,7 @@ def slice_counted(model: ModelConfig, data: DataConfig, seed: int, precision: st
     with fused_attention_on_meta():
         split = measure_tp_split(net, {}, lambda: batch_loss(net, sample, model_loss(model)),
                                  [b.module for b in spec.blocks])
-    per_sample = split.saved_bytes + split.loss_temp_bytes
-    return Counted(shape_of(net, spec, hidden=1, positions=1), per_sample, per_sample,
-                   split.outside_blocks_bytes, split.loss_temp_bytes)
+    return Counted(shape_of(net, spec, hidden=1, positions=1), split.per_sample(1, sequence_norms=False))
 
 
 def blocks_that_fit(model: ModelConfig, data: DataConfig, seed: int, strategy: StrategyConfig, micro_batch: int,
@@ -96,16 +86,7 @@ def blocks_that_fit(model: ModelConfig, data: DataConfig, seed: int, strategy: S
 def rank_memory(c: Counted, strategy: StrategyConfig, flavour: str, world: int, micro_batch: int) -> Memory:
     """One rank's memory at the peak of a step of `strategy` (trained as `flavour`) on `world`."""
     d = resolve_dims(strategy, world)
-    w = Workload(c.shape, micro_batch=micro_batch, grad_accum=1, microbatches=strategy.microbatches,
-                 precision=strategy.precision, checkpointing=strategy.activation_checkpointing,
-                 tokens_per_sample=1, activation_bytes_per_sample=c.activation_bytes_per_sample,
-                 activation_replicated_bytes_per_sample=c.activation_replicated_bytes_per_sample,
-                 activation_outside_blocks_bytes_per_sample=c.activation_outside_blocks_bytes_per_sample,
-                 loss_temp_bytes_per_sample=c.loss_temp_bytes_per_sample,
-                 pp_schedule=strategy.pp_schedule, sequence_parallel=strategy.sequence_parallel,
-                 pp_virtual_stages=strategy.pp_virtual_stages,
-                 activation_sequence_replicated_bytes_per_sample=c.activation_sequence_replicated_bytes_per_sample,
-                 activation_head_bytes_per_sample=c.activation_head_bytes_per_sample)
+    w = strategy_workload(c.shape, c.activations, strategy, micro_batch, grad_accum=1, tokens_per_sample=1, clip=False)
     return memory_breakdown(w, flavour, d)
 
 

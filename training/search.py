@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from training import strategies
 from training.costmodel import (
+    Activations,
     Calibration,
     Hardware,
     Prediction,
@@ -52,16 +53,9 @@ class Variant:
     precision: str
     activation_checkpointing: str
     seconds_per_sample: float
-    activation_bytes_per_sample: float
+    activations: Activations
     peak_flops: float | None = None
     """The device's peak FLOP/s in this precision (MFU divides by it); None: unknown (CPUs)."""
-    activation_replicated_bytes_per_sample: float = 0.0
-    """The part of the activations tensor parallelism leaves whole (Workload's field of that name)."""
-    activation_outside_blocks_bytes_per_sample: float = 0.0
-    loss_temp_bytes_per_sample: float = 0.0
-    activation_sequence_replicated_bytes_per_sample: float = 0.0
-    activation_head_bytes_per_sample: float = 0.0
-    """Workload's fields of these names."""
 
     def workload(self, shape: Shape, micro: int, accum: int, microbatches: int, schedule: str, bucket_mb: float,
                  clip: bool, tokens_per_sample: int, sequence_parallel: bool = False, virtual: int = 1,
@@ -69,15 +63,9 @@ class Variant:
         """This setting's Workload for one point of the space (the search's and the run's own)."""
         return Workload(shape=shape, micro_batch=micro, grad_accum=accum, microbatches=microbatches,
                         precision=self.precision, checkpointing=self.activation_checkpointing,
-                        tokens_per_sample=tokens_per_sample, activation_bytes_per_sample=self.activation_bytes_per_sample,
-                        activation_replicated_bytes_per_sample=self.activation_replicated_bytes_per_sample,
-                        activation_outside_blocks_bytes_per_sample=self.activation_outside_blocks_bytes_per_sample,
-                        loss_temp_bytes_per_sample=self.loss_temp_bytes_per_sample,
+                        tokens_per_sample=tokens_per_sample, activations=self.activations,
                         bucket_cap_bytes=bucket_mb * 1024**2, seconds_per_sample=self.seconds_per_sample, clip=clip,
                         pp_schedule=schedule, sequence_parallel=sequence_parallel, pp_virtual_stages=virtual,
-                        activation_sequence_replicated_bytes_per_sample=(
-                            self.activation_sequence_replicated_bytes_per_sample),
-                        activation_head_bytes_per_sample=self.activation_head_bytes_per_sample,
                         expert_imbalance=expert_imbalance)
 
 
@@ -256,7 +244,7 @@ def search_cp(shape: Shape, variants: list[Variant], memory_limit: float, device
     is the memory problem, as at Llama 3's 128K context)."""
     if not shape.context_parallel or shape.seq_len < 2 or not variants:
         return False
-    least = min(v.activation_bytes_per_sample for v in variants)
+    least = min(v.activations.saved for v in variants)
     return least / max(min(devices_per_node, max(shape.tp_sizes or (1,))), 1) > memory_limit / 4
 
 

@@ -129,10 +129,10 @@ def test_the_plans_count_predicts_each_ranks_saved_bytes_under_sequence_parallel
 
     tokens = torch.zeros(1, S, dtype=torch.long, device="meta")
     cost = measure_variant(WIDE, 0, (tokens, tokens), "fp32", "none")
-    saved_bytes = cost.activation_bytes_per_sample - cost.loss_temp_bytes_per_sample
+    a = cost.activations
+    saved_bytes = a.saved - a.loss_temp
     # Whole on every rank: what neither the blocks nor the sequence-parallel norms save, less the
     # head's logits and the loss's (split by vocabulary).
-    whole = (cost.activation_sequence_replicated_bytes_per_sample - cost.loss_temp_bytes_per_sample
-             - cost.activation_head_bytes_per_sample)
+    whole = a.sp_replicated - a.loss_temp - a.head
     predicted = B * (whole + (saved_bytes - whole) / 2)
     assert saved(SP)["total"] == pytest.approx(predicted, rel=0.01)

@@ -52,7 +52,7 @@ def test_a_4096_token_gpt_is_counted_on_meta_without_its_attention_matrices(comp
     assert grew < 64 * MIB, f"the process grew by {grew / MIB:.0f} MiB"
     anatomy = counted.anatomy
     assert anatomy.shape.seq_len == seq and counted.flops_convention == "causal_half"
-    assert anatomy.activation_bytes_per_sample < heads * seq * seq * 4, "one block's score matrix"
+    assert anatomy.activations.saved < heads * seq * seq * 4, "one block's score matrix"
     # gpt-tiny's linears (2 blocks of 12 d^2, a d x 256 head), then causal attention, as hand-counted
     # in test_costmodel.
     weights = layers * 12 * width**2 + width * 256
@@ -149,10 +149,11 @@ def test_a_model_of_alike_blocks_is_counted_from_one_layer_and_two_as_its_whole_
     sample = tuple(t.to("meta") for t in first_samples(markov(4, 64, 256), 1))
     whole = _measure_variant(cfg, 0, sample, "bf16", checkpointing)
     extended = _by_layers(cfg, 0, sample, "bf16", checkpointing)
-    assert whole.executed_flops_per_sample > 0 and whole.activation_bytes_per_sample > 0
+    assert whole.executed_flops_per_sample > 0 and whole.activations.saved > 0
     counts = [f.name for f in dataclasses.fields(whole) if isinstance(getattr(whole, f.name), float)]
-    assert len(counts) == 8
+    assert len(counts) == 2
     assert {n: getattr(extended, n) for n in counts} == pytest.approx({n: getattr(whole, n) for n in counts}, rel=1e-9)
+    assert dataclasses.asdict(extended.activations) == pytest.approx(dataclasses.asdict(whole.activations), rel=1e-9)
 
 
 @pytest.mark.parametrize("unlike", [
@@ -187,7 +188,7 @@ def test_a_mixture_of_experts_anatomy_from_one_layer_and_two_is_its_whole_forwar
     assert extended.flops_convention == whole.flops_convention
     a, b = extended.anatomy, whole.anatomy
     assert a.flops_per_sample == pytest.approx(b.flops_per_sample, rel=1e-9)
-    assert a.activation_bytes_per_sample == pytest.approx(b.activation_bytes_per_sample, rel=1e-9)
+    assert a.activations.saved == pytest.approx(b.activations.saved, rel=1e-9)
     assert a.tokens_per_sample == b.tokens_per_sample
     assert b.shape.experts == (4,) * 4 and b.shape.top_k == 2 and 0 < b.shape.expert_flops_share < 1
     assert a.shape.expert_flops_share == pytest.approx(b.shape.expert_flops_share, rel=1e-9)

@@ -11,6 +11,7 @@ from training.anatomy import measure_anatomy
 from training.collectives import bus_factor
 from training.config import ModelConfig
 from training.costmodel import (
+    Activations,
     Link,
     Shape,
     activation_tensor_bytes,
@@ -243,7 +244,7 @@ def test_a_calibrated_plan_predicts_on_the_timing_its_scales_were_fitted_on(monk
 
     monkeypatch.setattr(costmodel, "PRIOR_WEIGHT", 0.0)  # an exact fit: the basis is what is held here
     w = Workload(gpt()[0].anatomy.shape, micro_batch=8, grad_accum=1, microbatches=1, precision="fp32", checkpointing="none",
-                 tokens_per_sample=64, activation_bytes_per_sample=1e3)
+                 tokens_per_sample=64, activations=Activations(1e3))
     link = {"all_reduce": Link(alpha_s=1e-4, busbw_gbps=0.5, world=2)}
     earlier = Hardware(1e12, 10**9, link, link, seconds_per_sample=1e-3)
     layouts = [("ddp", ParallelDims(dp_replicate=2)), ("zero3", ParallelDims(dp_shard=2)), ("ddp", ParallelDims())]
@@ -376,7 +377,7 @@ def test_a_prediction_on_a_measured_cpu_host_pays_the_shared_cores():
 
     shape = flat(1024**2 / 4)  # 1 MiB of fp32 parameters
     w = Workload(shape, micro_batch=4, grad_accum=1, microbatches=1, precision="fp32", checkpointing="none",
-                 tokens_per_sample=16, activation_bytes_per_sample=0.0)
+                 tokens_per_sample=16, activations=Activations())
     link = {"all_reduce": Link(alpha_s=1e-4, busbw_gbps=1.0, world=4)}
     plain = Hardware(1e12, 10**9, link, link, seconds_per_sample=1e-3, cores=2, threads_per_device=1)
     shared = SharedCores(world=4, threads_per_rank=1, cores=2, alone_s=0.005, together_s=0.012, call_s=0.003,

@@ -10,6 +10,7 @@ import pytest
 
 from training.collectives import bus_factor
 from training.costmodel import (
+    Activations,
     Group,
     Link,
     Shape,
@@ -33,7 +34,7 @@ MEASURED_KV_GATHER_PER_LAYER = 32_768
 
 def workload(**changes) -> Workload:
     base = dict(shape=SHAPE, micro_batch=B, grad_accum=1, microbatches=1, precision="fp32", checkpointing="none",
-                tokens_per_sample=SEQ, activation_bytes_per_sample=MEASURED_CP1_BLOCKS / B)
+                tokens_per_sample=SEQ, activations=Activations(MEASURED_CP1_BLOCKS / B))
     return Workload(**{**base, **changes})
 
 
@@ -100,11 +101,12 @@ def test_sequence_parallel_moves_tps_bytes_as_all_gathers_and_reduce_scatters():
 
 
 def test_sequence_parallel_shards_what_tp_alone_leaves_whole():
-    w = workload(activation_replicated_bytes_per_sample=MEASURED_CP1_BLOCKS / B / 2)
+    w = workload(activations=Activations(MEASURED_CP1_BLOCKS / B, tp_replicated=MEASURED_CP1_BLOCKS / B / 2))
     tp = activation_memory(w, ParallelDims(tp=2))
     head = MEASURED_CP1_BLOCKS / B / 8  # what stays whole under SP: the head's input, logits, loss
     sp = activation_memory(dataclasses.replace(w, sequence_parallel=True,
-                                               activation_sequence_replicated_bytes_per_sample=head), ParallelDims(tp=2))
+                                               activations=dataclasses.replace(w.activations, sp_replicated=head)),
+                           ParallelDims(tp=2))
     assert tp == MEASURED_CP1_BLOCKS * (0.5 + 0.5 / 2)
     assert sp == B * (head + (MEASURED_CP1_BLOCKS / B - head) / 2)
 

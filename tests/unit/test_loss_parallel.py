@@ -15,6 +15,7 @@ import torch
 from training.config import ModelConfig, StrategyConfig, Target
 from training.costmodel import (
     LOSS_PARALLEL_TEMPS,
+    Activations,
     Shape,
     Workload,
     activation_memory,
@@ -120,9 +121,8 @@ SHAPE = Shape(params=2000, layers=4, block_linear_params=800, hidden=8, seq_len=
 
 def _workload(**kw) -> Workload:
     fields = dict(shape=SHAPE, micro_batch=2, grad_accum=1, microbatches=1, precision="fp32", checkpointing="none",
-                  tokens_per_sample=4, activation_bytes_per_sample=1000.0, activation_replicated_bytes_per_sample=600.0,
-                  activation_outside_blocks_bytes_per_sample=450.0, loss_temp_bytes_per_sample=200.0,
-                  activation_head_bytes_per_sample=100.0)
+                  tokens_per_sample=4, activations=Activations(saved=1000.0, tp_replicated=600.0, outside_blocks=450.0,
+                                                               loss_temp=200.0, head=100.0))
     return Workload(**{**fields, **kw})
 
 

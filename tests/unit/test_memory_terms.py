@@ -11,6 +11,7 @@ from training.activations import measure_tp_split
 from training.anatomy import fused_attention_on_meta
 from training.config import ModelConfig
 from training.costmodel import (
+    Activations,
     Shape,
     Workload,
     activation_memory,
@@ -109,7 +110,7 @@ def test_zero3_holds_the_root_gathered_and_in_backward_two_blocks_and_one_blocks
 
 def workload(schedule: str, microbatches: int) -> Workload:
     return Workload(SHAPE, micro_batch=8, grad_accum=1, microbatches=microbatches, precision="bf16",
-                    checkpointing="none", tokens_per_sample=S, activation_bytes_per_sample=1000.0,
+                    checkpointing="none", tokens_per_sample=S, activations=Activations(1000.0),
                     pp_schedule=schedule)
 
 
@@ -120,7 +121,7 @@ def test_gpipe_keeps_every_microbatch_and_1f1b_at_most_the_stages():
     last: (400 + 200) x 8); 1F1B min(4, 2) = 2 on the first stage (400 x 4) and one on the last
     ((400 + 200) x 2)."""
     d = ParallelDims(pp=2)
-    w = dataclasses.replace(workload("gpipe", 4), activation_outside_blocks_bytes_per_sample=200.0)
+    w = dataclasses.replace(workload("gpipe", 4), activations=Activations(1000.0, outside_blocks=200.0))
     assert activation_memory(w, d) == 600.0 * 8
     w = dataclasses.replace(w, pp_schedule="1f1b")
     assert activation_memory(w, d) == max(400.0 * 4, 600.0 * 2)
@@ -134,7 +135,7 @@ def test_the_peak_is_the_highest_of_backwards_start_a_blocks_backward_and_after(
     and the root's reduction (its 200 parameters' bf16 gradients and fp32 buffer: 200 x 6) or the
     optimizer's chunked step."""
     d = ParallelDims(dp_shard=8)
-    w = dataclasses.replace(workload("1f1b", 1), loss_temp_bytes_per_sample=100.0)
+    w = dataclasses.replace(workload("1f1b", 1), activations=Activations(1000.0, loss_temp=100.0))
     m = memory_breakdown(w, "zero3", d)
     assert m.states == 1000 * 16 / 8 and m.activation_bytes == 8000.0 and m.loss_temp_bytes == 800.0
     assert m.grads_in_backward == 0 and m.gathered_root_bytes == 400
@@ -147,15 +148,14 @@ def test_the_peak_is_the_highest_of_backwards_start_a_blocks_backward_and_after(
     # Embeddings and head of 600 over blocks of 100: the root's reduction (600 x 6 = 3600) outweighs
     # the gathered root and a block's working set (600 x 2 + 2 x 100 x 2 + 100 x 4) beside tiny activations.
     heavy_ends = dataclasses.replace(SHAPE, first_stage_params=300, last_stage_params=300)
-    small = memory_breakdown(dataclasses.replace(w, shape=heavy_ends, activation_bytes_per_sample=0.01,
-                                                 loss_temp_bytes_per_sample=0.0), "zero3", d)
+    small = memory_breakdown(dataclasses.replace(w, shape=heavy_ends, activations=Activations(0.01)), "zero3", d)
     assert (small.gathered_root_bytes, small.working_bytes, small.tail_bytes) == (1200, 800, 3600)
     assert small.total == small.states + small.tail_bytes
 
 
 def test_tp_divides_only_the_split_part_of_the_activations():
     w = Workload(SHAPE, micro_batch=1, grad_accum=1, microbatches=1, precision="bf16", checkpointing="none",
-                 tokens_per_sample=S, activation_bytes_per_sample=1000.0, activation_replicated_bytes_per_sample=250.0)
+                 tokens_per_sample=S, activations=Activations(1000.0, tp_replicated=250.0))
     assert activation_memory(w, ParallelDims(tp=4)) == 250.0 + 750.0 / 4
 
 

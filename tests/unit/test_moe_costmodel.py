@@ -12,6 +12,7 @@ import torch
 from training.anatomy import measure_anatomy
 from training.config import ModelConfig
 from training.costmodel import (
+    Activations,
     Group,
     Link,
     MeasuredStep,
@@ -137,7 +138,7 @@ def test_the_groups_of_an_expert_layout_and_the_tier_they_ride():
 
 def test_the_imbalance_stretches_the_experts_share_of_compute_only_under_ep():
     w = Workload(shape=SHAPE, micro_batch=1, grad_accum=1, microbatches=1, precision="fp32", checkpointing="none",
-                 tokens_per_sample=32, activation_bytes_per_sample=0.0, expert_imbalance=((2, 1.5), (4, 1.8)))
+                 tokens_per_sample=32, activations=Activations(), expert_imbalance=((2, 1.5), (4, 1.8)))
     assert w.expert_straggler(ParallelDims(dp_shard=4)) == 1.0  # one rank runs every expert
     assert w.expert_straggler(ParallelDims(dp_shard=4, ep=2)) == pytest.approx(1 + 0.5 * 0.5)
     assert w.expert_straggler(ParallelDims(dp_shard=4, ep=4)) == pytest.approx(1 + 0.5 * 0.8)
@@ -149,7 +150,7 @@ def test_tensor_parallel_ranks_run_the_experts_whole():
     rank runs them on the same tokens, so of a sample's compute only the dense half here divides by
     tp. An expert group with tp=4 inside it has its ranks 4 apart: ep=4 spans 2 nodes of 8."""
     w = Workload(shape=SHAPE, micro_batch=1, grad_accum=1, microbatches=1, precision="fp32", checkpointing="none",
-                 tokens_per_sample=32, activation_bytes_per_sample=0.0)
+                 tokens_per_sample=32, activations=Activations())
     assert SHAPE.expert_flops_share == 0.5
     assert w.tp_unsplit(ParallelDims(dp_shard=4)) == 1.0
     assert w.tp_unsplit(ParallelDims(dp_shard=2, tp=2)) == pytest.approx(1.5)  # (0.5 + 0.5 x 2) / 1

@@ -49,8 +49,7 @@ def test_the_plans_count_on_the_meta_device_is_the_measured_one(mode):
     against the real CPU step's."""
     tokens = torch.zeros(1, S, dtype=torch.long, device="meta")
     cost = measure_variant(GPT, 0, (tokens, tokens), "fp32", mode)
-    in_blocks = cost.activation_bytes_per_sample - cost.loss_temp_bytes_per_sample \
-        - cost.activation_outside_blocks_bytes_per_sample
+    in_blocks = cost.activations.saved - cost.activations.loss_temp - cost.activations.outside_blocks
     assert in_blocks / LAYERS == pytest.approx(saved_per_block(mode) / B, rel=0.01)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from training import strategies
-from training.costmodel import Hardware, Link, Shape, predict_layout
+from training.costmodel import Activations, Hardware, Link, Shape, predict_layout
 from training.search import (
     Space,
     Variant,
@@ -29,8 +29,8 @@ HW = Hardware(80e9, 8, INTRA, INTER, seconds_per_sample=1e-3)
 # fit when sharded, and its activations decide the micro-batch.
 SHAPE = Shape(params=int(7e9), layers=32, block_linear_params=int(6.4e9), hidden=4096, seq_len=4096, heads=32,
               first_stage_params=int(1.3e8), last_stage_params=int(1.3e8), tp_sizes=(4096, 32))
-VARIANTS = [Variant("bf16", "none", 1e-3, 12 * GIB), Variant("bf16", "full", 1.3e-3, 2 * GIB),
-            Variant("fp32", "none", 2e-3, 24 * GIB)]
+VARIANTS = [Variant("bf16", "none", 1e-3, Activations(12 * GIB)), Variant("bf16", "full", 1.3e-3, Activations(2 * GIB)),
+            Variant("fp32", "none", 2e-3, Activations(24 * GIB))]
 LIMIT = 20 * GIB
 SPACE = Space(world=64, devices_per_node=8, global_batch=512, replica_batch=0, variants=VARIANTS)
 
