@@ -38,7 +38,7 @@ def app(dcfg: DictConfig) -> None:
     try:
         cfg = load(OmegaConf.to_container(dcfg, resolve=True))
         if cfg.dry_run:
-            from training.dryrun import format_layout, plan_layout
+            from training.planner.dryrun import format_layout, plan_layout
 
             world = cfg.nodes * cfg.procs_per_node
             print(format_layout(plan_layout(cfg.model, cfg.strategy, world), cfg.strategy, world))

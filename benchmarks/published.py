@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.plan import PlanInputs, PlanResult
-from training.search import Candidate, setting_label
+from training.planner.search import Candidate, setting_label
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = "model=gpt-7b"  # the built-in GPT factory; its shape set by the row

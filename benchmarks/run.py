@@ -138,7 +138,7 @@ def bench_planner() -> list[Row]:
     calibration fitted to the five other points only, a prediction for a run never measured."""
     from pipelines.calibration import measured_step, settle
     from pipelines.summary import read_summary
-    from training.costmodel import fit_calibration
+    from training.planner.calibration import fit_calibration
 
     rows, measured = [], {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,7 +19,8 @@ from typing import Any, Protocol, runtime_checkable
 from pipelines.configtools import to_jsonable
 from pipelines.placement import Placement
 from pipelines.summary import RunSummary
-from training.costmodel import COSTMODEL_VERSION, MeasuredStep
+from training.planner.calibration import MeasuredStep
+from training.planner.predict import COSTMODEL_VERSION
 
 
 def calibration_key(cfg: Any, placement: Placement | None) -> str:

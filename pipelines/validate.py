@@ -116,14 +116,14 @@ def _stages_to_run(cfg: Config) -> set[str]:
 def _check_memory(cfg: Config, dims: ParallelDims) -> None:
     """The memory ruler before any rank starts: under a per-rank budget (cluster.device_memory_gib
     on a measured cluster) a layout whose predicted peak exceeds it is refused, with the layout
-    that would hold the model (training/fit.py counts the model on the meta device)."""
+    that would hold the model (training/planner/fit.py counts the model on the meta device)."""
     budget_gib = cfg.cluster.device_memory_gib
     s = cfg.strategy
     if not cfg.cluster.measured or budget_gib is None or s.from_plan or cfg.dry_run:
         return
     if not {"train", "trials"} & _stages_to_run(cfg):
         return  # the layout is not trained: the stages asked for size themselves (their `fits`)
-    from training.fit import SHARDED, counted, rank_memory, smallest_world
+    from training.planner.fit import SHARDED, counted, rank_memory, smallest_world
     from training.strategies import flavour_of
     from training.units import GIB
 

@@ -15,9 +15,9 @@ from typing import Any
 from stages.common import log, progress, workbench
 from training.config import DataConfig, LrFindConfig, ModelConfig, StrategyConfig
 from training.dist import all_reduce_sum, world_size
-from training.fit import SHARDED
 from training.lr_finder import scale_lr
 from training.parallel.dims import resolve_dims
+from training.planner.fit import SHARDED
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,8 @@ def smallest_world(cfg: LrFindInputs, budget_bytes: float, max_ranks: int) -> in
     """The engine's question (the stage's `fits`): how many ranks hold the finder's steps within
     `budget_bytes` each: 1, or zero3 over the fewest that do (all `max_ranks` if none fits:
     the config check has refused that already)."""
-    from training.fit import counted
-    from training.fit import smallest_world as fewest
+    from training.planner.fit import counted
+    from training.planner.fit import smallest_world as fewest
 
     c = counted(cfg.model, cfg.data, cfg.seed, cfg.precision, "none")
     fit = fewest(c, StrategyConfig(precision=cfg.precision), cfg.batch, budget_bytes, max_ranks)

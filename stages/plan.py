@@ -3,10 +3,10 @@
 Ruler 1, memory: the peak of one forward + backward + optimizer step on one device, against
 `plan.memory_fraction` of the device. Ruler 2, bandwidth: the busbw the probe measured, fitted
 to an α–β model per collective. Ruler 3, compute density: FLOPs per sample and per byte moved,
-and the measured compute time of a step. training/costmodel.py turns them into memory, step time,
-throughput and scaling efficiency; training/search.py searches every layout of the requested world
+and the measured compute time of a step. training/planner/ turns them into memory, step time,
+throughput and scaling efficiency; training/planner/search.py searches every layout of the requested world
 and the knobs that make it fit (micro-batch, accumulation, checkpointing, precision, pipeline
-schedule, DDP buckets) for the highest predicted tokens/s, and stages/advice.py explains each
+schedule, DDP buckets) for the highest predicted tokens/s, and training/planner/advice.py explains each
 strategy's rejection. The scaling curves predict the pure strategies at 1, 2, 4 ... plan.max_devices.
 """
 
@@ -19,7 +19,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from stages.advice import (
+from stages.bandwidth import BandwidthResult
+from stages.common import log, workbench
+from stages.lr_find import LrFindResult
+from training import strategies
+from training.collectives import Measurement
+from training.config import ClusterConfig, DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
+from training.memory import AuditRow
+from training.parallel.dims import resolve_dims
+from training.planner.advice import (
     AdviceInputs,
     advise,
     expert_reason,
@@ -30,31 +38,13 @@ from stages.advice import (
     rejection_reasons,
     searched_variants,
 )
-from stages.bandwidth import BandwidthResult
-from stages.common import log, workbench
-from stages.lr_find import LrFindResult
-from training import strategies
-from training.collectives import Measurement
-from training.config import ClusterConfig, DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
-from training.costmodel import (
-    Activations,
-    Anatomy,
-    Calibration,
-    Hardware,
-    Link,
-    MeasuredStep,
-    Prediction,
-    Workload,
-    device_counts,
-    fit_calibration,
-    fit_link,
-    measured_imbalance,
-    predict,
-    strategy_workload,
-)
-from training.memory import AuditRow
-from training.parallel.dims import resolve_dims
-from training.search import Candidate, Variant, describe
+from training.planner.calibration import Calibration, MeasuredStep, fit_calibration, measured_imbalance
+from training.planner.comm import Link, fit_link
+from training.planner.hardware import Hardware
+from training.planner.predict import Prediction, device_counts, predict
+from training.planner.search import Candidate, Variant, describe
+from training.planner.shape import Activations, Anatomy
+from training.planner.workload import Workload, strategy_workload
 from training.units import GIB
 
 TIMED_STEPS = 5
@@ -247,13 +237,13 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult, anatomy: Anatomy) -> Ru
     (counted on the meta device: counted_on_meta) takes the activations that step saved."""
     import torch
 
-    from training.anatomy import meta_memory_audit
     from training.data import first_samples
     from training.dist import synchronize
     from training.memory import StepProbe, device_memory_bytes
     from training.models import to_device
     from training.overhead import measure_overheads
     from training.parallel.compose import build_optimizer, parallelize
+    from training.planner.anatomy import meta_memory_audit
     from training.step import optimizer_step
 
     micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
@@ -336,7 +326,7 @@ def memory_limit(cfg: PlanInputs, hw: Hardware) -> float:
 
 def sliced_to(cfg: PlanInputs, micro: int) -> int | None:
     """The blocks of the model the plan's one device can hold under a budget (None: all of it)."""
-    from training.fit import blocks_that_fit
+    from training.planner.fit import blocks_that_fit
 
     budget = budget_bytes(cfg)
     if budget is None:
@@ -358,8 +348,8 @@ def extrapolated(cfg: PlanInputs, blocks: int, sliced_s: float, micro: int, anat
         one = _sliced_step_s(cfg, 1, micro)
         per_block = max(sliced_s - one, 0.0) / (blocks - 1)
         return sliced_s + (layers - blocks) * per_block
-    from training.anatomy import FlopCount, build_on_meta
     from training.models import batch_loss, model_loss
+    from training.planner.anatomy import FlopCount, build_on_meta
 
     net, spec = build_on_meta(cfg.model, cfg.seed)
     spec.keep_first_blocks(1)
@@ -403,12 +393,12 @@ def meta_sample(cfg: PlanInputs, samples: int = 1):  # noqa: ANN201 - a Batch on
 _COUNTED: dict[str, Any] = {}
 
 
-def counted_on_meta(cfg: PlanInputs):  # noqa: ANN201 - a training.anatomy.Counted
+def counted_on_meta(cfg: PlanInputs):  # noqa: ANN201 - a training.planner.anatomy.Counted
     """The model at its real shape and micro-batch on the meta device (no memory, no compute, so
     any sequence length): its shape, FLOPs and positions from a plain pass, and the FLOPs'
     convention; the run's activations come from its variant (variant_costs) or its measured step.
     Once per process for the same model, data and micro-batch (as measure_variant)."""
-    from training.anatomy import count_on_meta
+    from training.planner.anatomy import count_on_meta
 
     micro_batch = cfg.train.micro_batch_for(data_parallel_size(cfg))
     key = repr((cfg.model, cfg.data, cfg.seed, micro_batch))
@@ -419,9 +409,9 @@ def counted_on_meta(cfg: PlanInputs):  # noqa: ANN201 - a training.anatomy.Count
 
 def variant_costs(cfg: PlanInputs, anatomy: Anatomy, measured_activations: float | None) -> list:
     """Each precision and checkpointing setting the search considers, measured on the meta device
-    (the fused attention a GPU runs, training/anatomy.py). On a measured cluster the run's own
+    (the fused attention a GPU runs, training/planner/anatomy.py). On a measured cluster the run's own
     setting takes the activations its real step saved."""
-    from training.anatomy import measure_variant
+    from training.planner.anatomy import measure_variant
 
     sample = meta_sample(cfg)
     costs = [measure_variant(cfg.model, cfg.seed, sample, precision, checkpointing)

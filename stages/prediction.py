@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stages.plan import PlanResult
-from training.costmodel import StepPrediction
-from training.search import Candidate
+from training.planner.search import Candidate
+from training.planner.step import StepPrediction
 
 
 @dataclass(frozen=True)

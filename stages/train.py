@@ -16,19 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stages.advice import candidate_settings, one_device
 from stages.common import log, progress
 from stages.lr_find import LrFindResult
 from stages.plan import PlanResult
 from stages.prediction import PredictionCheck, check_prediction
 from stages.trials import TrialsResult
 from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig
-from training.costmodel import MeasuredStep
 from training.dist import gather_objects, rank, world_size
-from training.fit import SHARDED
 from training.memory import StepProbe
+from training.planner.advice import candidate_settings, one_device
+from training.planner.calibration import MeasuredStep
+from training.planner.fit import SHARDED
+from training.planner.search import Candidate
 from training.profile import StepProfiler, TimeSplit
-from training.search import Candidate
 from training.sysmetrics import SystemSample, SystemSampler, node_id, sample_metrics
 from training.units import GIB
 
@@ -57,7 +57,7 @@ def smallest_world(cfg: TrainInputs, budget_bytes: float, max_ranks: int) -> int
     """The engine's question for the baseline (the stage's `fits`): how many ranks hold a step of
     the run's per-device micro-batch within `budget_bytes` each: 1 (the one-device form), or
     zero3 over the fewest that do (weak scaling: each rank keeps the per-device batch)."""
-    from training.fit import SHARDED, counted, rank_memory
+    from training.planner.fit import SHARDED, counted, rank_memory
 
     s, t = cfg.strategy, cfg.train
     c = counted(cfg.model, cfg.data, cfg.seed, s.precision, s.activation_checkpointing)

@@ -24,14 +24,14 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from stages.advice import candidate_settings
 from stages.common import log, progress
 from stages.lr_find import LrFindResult
 from stages.plan import PlanResult
 from training.config import DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
-from training.costmodel import Calibration, MeasuredStep, fit_calibration
 from training.isolation import run_isolated
-from training.search import Candidate, dims_label
+from training.planner.advice import candidate_settings
+from training.planner.calibration import Calibration, MeasuredStep, fit_calibration
+from training.planner.search import Candidate, dims_label
 
 if TYPE_CHECKING:
     from pipelines.tracking import ChildRun

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
-from training.costmodel import Activations
 from training.memory import SavedActivations
+from training.planner.shape import Activations
 
 
 @dataclass(frozen=True)

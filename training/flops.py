@@ -1,4 +1,4 @@
-"""The peak FLOP/s MFU divides by (the FLOPs themselves are counted from the module: training/anatomy.py).
+"""The peak FLOP/s MFU divides by (the FLOPs themselves are counted from the module: training/planner/anatomy.py).
 
 Peaks are per exact device model and form factor, and per precision: an H100 PCIe is ~24 % slower
 than an H100 SXM, and an fp32 run's matmuls go at the TF32 rate when TF32 is enabled and at a

@@ -232,7 +232,7 @@ def memory_audit(model: nn.Module, blocks: list[nn.Module], loss: Callable[[], t
                  dev: torch.device) -> list[AuditRow]:
     """The memory in use after each top-level module (each block a row) of one forward and backward.
 
-    On CPU and the meta device (the plan's audit: training/anatomy.py meta_memory_audit) the live set
+    On CPU and the meta device (the plan's audit: training/planner/anatomy.py meta_memory_audit) the live set
     is counted: parameters + the activations saved so far (attributed to the module that saved them)
     + gradients; a module's activations are freed once its backward ran."""
     import torch

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from training.costmodel import STEP_CHUNK_BYTES as CHUNK_BYTES
+from training.planner.memory import STEP_CHUNK_BYTES as CHUNK_BYTES
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

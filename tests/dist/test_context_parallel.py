@@ -131,8 +131,8 @@ def test_grouped_kv_heads_are_gathered_at_the_width_the_cost_model_counts(compos
     (Shape.kv_width) says so: the cost model's K/V bytes per layer are the measured ones."""
     import torch
 
-    from training.anatomy import measure_anatomy
-    from training.costmodel import activation_tensor_bytes
+    from training.planner.anatomy import measure_anatomy
+    from training.planner.memory import activation_tensor_bytes
     from training.models import build_model, model_loss
     from training.models.spec import model_spec
 

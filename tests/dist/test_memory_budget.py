@@ -71,7 +71,7 @@ def predicted_and_measured(strategy: StrategyConfig, world: int, tmp_path,
                            model: ModelConfig = MEASURED_GPT) -> tuple[float, int]:
     """The memory ruler's peak for `strategy` on `world` ranks (the plan's function, from the model
     counted on the meta device), and the highest rank's measured peak of the real train stage."""
-    from training.fit import counted, rank_memory
+    from training.planner.fit import counted, rank_memory
     from training.parallel.dims import resolve_dims
     from training.strategies import flavour_of
 

@@ -122,10 +122,10 @@ def test_sequence_parallelism_saves_korthikantis_activations_per_layer():
 
 
 def test_the_plans_count_predicts_each_ranks_saved_bytes_under_sequence_parallelism():
-    """What the cost model reads (training/anatomy.py measure_variant, one sample on the meta
+    """What the cost model reads (training/planner/anatomy.py measure_variant, one sample on the meta
     device): the bytes whole on every rank under sequence parallelism, the rest split over t. Its
     prediction for a rank of tp=2, 1,215,752 bytes, is the measured total, 1,215,492, within 0.02 %."""
-    from training.anatomy import measure_variant
+    from training.planner.anatomy import measure_variant
 
     tokens = torch.zeros(1, S, dtype=torch.long, device="meta")
     cost = measure_variant(WIDE, 0, (tokens, tokens), "fp32", "none")

@@ -18,8 +18,8 @@ from stages.trials import TrialsInputs
 from tests.dist.test_strategies import DATA, GPT
 from tests.helpers import run_world
 from training.config import PlanConfig, StrategyConfig, TrainConfig
-from training.costmodel import Prediction
-from training.search import Candidate
+from training.planner.predict import Prediction
+from training.planner.search import Candidate
 
 COLLECTIVE_TIMEOUT_S = 120.0
 STEPS = 4

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from stages.plan import PlanInputs, counted_on_meta, whatif
-from training.anatomy import FlopCount, meta_memory_audit
 from training.config import ModelConfig
 from training.data import first_samples, markov
+from training.planner.anatomy import FlopCount, meta_memory_audit
 
 MIB = 1024**2
 
@@ -94,7 +94,7 @@ def test_fp8_counts_every_linears_matmuls_as_float8(checkpointing):
     tensor backward needs (torch's non-reentrant checkpoint stops early): all but the last linear's
     output (4 d^2 of the block's 12). Attention (causal half, 6 * layers * d * s^2 per sample, a
     third more when recomputed) stays bf16, and bf16 itself has no Float8 FLOPs."""
-    from training.anatomy import measure_variant
+    from training.planner.anatomy import measure_variant
 
     seq, layers, d = 64, 2, 64
     cfg = ModelConfig(kwargs=dict(vocab_size=256, seq_len=seq, d_model=d, n_layers=layers, n_heads=4))
@@ -113,7 +113,7 @@ def test_an_fp8_plan_runs_its_linears_at_the_fp8_peak_and_the_rest_at_bf16s(comp
     """A what-if plan in fp8 on H100s: a sample's compute is its Float8 FLOPs at the datasheet's fp8
     peak plus the rest at the bf16 peak, both at the cluster's achievable fraction; MFU divides by
     the bf16 peak (torchtitan's convention)."""
-    from training.anatomy import measure_variant
+    from training.planner.anatomy import measure_variant
 
     inputs = plan_inputs(compose_cfg, "pipeline=plan", "cluster=h100-80g-ndr", "nodes=1", "strategy=ddp",
                          "strategy.precision=fp8", "train.micro_batch=1")
@@ -143,7 +143,7 @@ def test_a_model_of_alike_blocks_is_counted_from_one_layer_and_two_as_its_whole_
     layers."""
     import dataclasses
 
-    from training.anatomy import _by_layers, _measure_variant, _uniform_depth
+    from training.planner.anatomy import _by_layers, _measure_variant, _uniform_depth
 
     assert _uniform_depth(cfg) == 4
     sample = tuple(t.to("meta") for t in first_samples(markov(4, 64, 256), 1))
@@ -167,7 +167,7 @@ def test_a_model_whose_layers_differ_is_counted_whole(unlike):
     their modules (an MLP-only first layer of a mixture of experts) are not extended from one."""
     import dataclasses
 
-    from training.anatomy import _uniform_depth
+    from training.planner.anatomy import _uniform_depth
 
     cfg = dataclasses.replace(HF_LLAMA, kwargs=dict(HF_LLAMA.kwargs, **unlike))
     assert _uniform_depth(cfg) is None
@@ -177,8 +177,8 @@ def test_a_mixture_of_experts_anatomy_from_one_layer_and_two_is_its_whole_forwar
     """The plan's anatomy of the built-in MoE GPT (count_on_meta) counted at one and two layers and
     extended, its Shape read from the whole model: the same FLOPs, saved bytes and Shape as a
     counted forward of the whole model at four layers, the experts' share of FLOPs included."""
-    from training.anatomy import build_on_meta, count_on_meta, measure_anatomy
     from training.models import model_loss
+    from training.planner.anatomy import build_on_meta, count_on_meta, measure_anatomy
 
     cfg = MOE_GPT
     sample = tuple(t.to("meta") for t in first_samples(markov(4, 64, 256), 1))

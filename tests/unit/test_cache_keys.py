@@ -30,7 +30,7 @@ def test_a_change_to_any_project_source_changes_every_key(fresh, tmp_path):
     fresh.setattr(cache, "ROOT", tmp_path)
     before = key()
     assert key() == before, "the same sources, the same key"
-    source = tmp_path / "training" / "costmodel.py"
+    source = tmp_path / "training" / "planner" / "memory.py"  # a module in a subpackage
     source.write_text(source.read_text() + "\n# one more line\n")
     cache.code_version.cache_clear()
     assert key() != before

@@ -121,7 +121,7 @@ def test_the_gradient_wrapper_reduces_over_the_cp_ranks(strategy, world, fsdp, d
 
 
 def test_the_dry_run_shows_cp_and_shards_over_dp_shard_x_cp():
-    from training.dryrun import format_layout, plan_layout
+    from training.planner.dryrun import format_layout, plan_layout
 
     gpt = ModelConfig(name="gpt", kwargs=dict(vocab_size=256, seq_len=64, d_model=64, n_layers=2, n_heads=4))
     whole = plan_layout(gpt, StrategyConfig(name="ddp"), 1)[0].param_bytes

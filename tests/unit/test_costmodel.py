@@ -7,22 +7,17 @@ import dataclasses
 import pytest
 import torch
 
-from training.anatomy import measure_anatomy
 from training.collectives import bus_factor
 from training.config import ModelConfig
-from training.costmodel import (
-    Activations,
-    Link,
-    Shape,
-    activation_tensor_bytes,
-    fit_link,
-    pipeline_bubble,
-    state_memory,
-)
 from training.data import first_samples, markov
 from training.models import build_model, model_loss
 from training.models.spec import model_spec
 from training.parallel.dims import ParallelDims
+from training.planner.anatomy import measure_anatomy
+from training.planner.comm import Link, fit_link
+from training.planner.memory import activation_tensor_bytes, state_memory
+from training.planner.pipeline import pipeline_bubble
+from training.planner.shape import Activations, Shape
 
 GB, MIB = 1e9, 1024**2
 
@@ -141,8 +136,9 @@ def test_alpha_beta_fit_recovers_a_known_link():
 
 
 def test_calibration_recovers_known_scales_and_leaves_unmeasured_strategies_at_the_median(monkeypatch):
-    import training.costmodel as costmodel
-    from training.costmodel import MeasuredStep, StepPrediction, fit_calibration
+    import training.planner.calibration as calibration_fit
+    from training.planner.calibration import MeasuredStep, fit_calibration
+    from training.planner.step import StepPrediction
 
     truth = {"compute": 1.3, "ddp": 2.0, "zero3": 4.5}
     points = []
@@ -158,7 +154,7 @@ def test_calibration_recovers_known_scales_and_leaves_unmeasured_strategies_at_t
     assert cal.comm_scale == pytest.approx({"ddp": 2.0, "zero3": 4.5}, rel=0.1)
     assert 1.0 < cal.comm_scale["ddp"] < 2.0 and 1.0 < cal.comm_scale["zero3"] < 4.5  # pulled toward 1
     assert cal.error_after_pct < 2 and cal.error_before_pct > 20
-    monkeypatch.setattr(costmodel, "PRIOR_WEIGHT", 0.0)
+    monkeypatch.setattr(calibration_fit, "PRIOR_WEIGHT", 0.0)
     cal = fit_calibration(points)
     assert cal.compute_scale == pytest.approx(1.3)
     assert cal.comm_scale == pytest.approx({"ddp": 2.0, "zero3": 4.5})
@@ -184,8 +180,9 @@ def test_a_run_never_measured_is_predicted_from_the_others_within_15_percent(mon
     """Each point predicted by a fit to the five others. zero3's communication then rests on its one
     run at world 2, where its scale and the cost per call trade off freely: without the prior the
     fit extrapolated to world 4 at 1.76x the measured step; with it, within 15 %."""
-    import training.costmodel as costmodel
-    from training.costmodel import MeasuredStep, StepPrediction, fit_calibration
+    import training.planner.calibration as calibration_fit
+    from training.planner.calibration import MeasuredStep, fit_calibration
+    from training.planner.step import StepPrediction
 
     points = [MeasuredStep(s, n, StepPrediction(c / 1e3, m / 1e3, 0.0, o / 1e3, calls), t / 1e3)
               for s, n, c, m, o, calls, t in MEASURED_ON_THIS_HOST]
@@ -197,7 +194,7 @@ def test_a_run_never_measured_is_predicted_from_the_others_within_15_percent(mon
     ratios = held_out()
     assert sum(abs(r - 1) <= 0.15 for r in ratios) >= 5, ratios
     assert abs(ratios[-1] - 1) <= 0.15, ratios
-    monkeypatch.setattr(costmodel, "PRIOR_WEIGHT", 0.0)
+    monkeypatch.setattr(calibration_fit, "PRIOR_WEIGHT", 0.0)
     assert held_out()[-1] > 1.5
 
 
@@ -205,10 +202,11 @@ def test_calibration_finds_a_cost_per_collective_call_and_never_a_negative_scale
     """Measured = 1.1 x compute + 1.5 x communication + 2 ms per call: FSDP's 9 calls per step pay it
     9 times, DDP's one bucket once; the fit (without the prior toward the model) recovers it, and
     noise can't push a scale below zero."""
-    import training.costmodel as costmodel
-    from training.costmodel import MeasuredStep, StepPrediction, fit_calibration
+    import training.planner.calibration as calibration_fit
+    from training.planner.calibration import MeasuredStep, fit_calibration
+    from training.planner.step import StepPrediction
 
-    monkeypatch.setattr(costmodel, "PRIOR_WEIGHT", 0.0)
+    monkeypatch.setattr(calibration_fit, "PRIOR_WEIGHT", 0.0)
 
     points = []
     for strategy, calls in (("ddp", 1), ("zero3", 9)):
@@ -228,7 +226,8 @@ def test_calibration_finds_a_cost_per_collective_call_and_never_a_negative_scale
 
 
 def test_a_world_of_one_alone_calibrates_compute_only():
-    from training.costmodel import MeasuredStep, StepPrediction, fit_calibration
+    from training.planner.calibration import MeasuredStep, fit_calibration
+    from training.planner.step import StepPrediction
 
     cal = fit_calibration([MeasuredStep("ddp", 1, StepPrediction(0.010, 0.0, 0.0), 0.012)])
     assert cal.compute_scale == pytest.approx(1.2) and cal.comm_scale == {}
@@ -239,10 +238,13 @@ def test_a_calibrated_plan_predicts_on_the_timing_its_scales_were_fitted_on(monk
     """A plan re-times its compute; on a busy host that timing moves by a third. The scales were
     fitted to components computed from the earlier plans' timing, so a calibrated prediction is
     made on that basis: the fit's own points come back as measured whatever the new timing read."""
-    import training.costmodel as costmodel
-    from training.costmodel import Hardware, MeasuredStep, Workload, fit_calibration, predict_layout
+    import training.planner.calibration as calibration_fit
+    from training.planner.calibration import MeasuredStep, fit_calibration
+    from training.planner.hardware import Hardware
+    from training.planner.predict import predict_layout
+    from training.planner.workload import Workload
 
-    monkeypatch.setattr(costmodel, "PRIOR_WEIGHT", 0.0)  # an exact fit: the basis is what is held here
+    monkeypatch.setattr(calibration_fit, "PRIOR_WEIGHT", 0.0)  # an exact fit: the basis is what is held here
     w = Workload(gpt()[0].anatomy.shape, micro_batch=8, grad_accum=1, microbatches=1, precision="fp32", checkpointing="none",
                  tokens_per_sample=64, activations=Activations(1e3))
     link = {"all_reduce": Link(alpha_s=1e-4, busbw_gbps=0.5, world=2)}
@@ -272,7 +274,7 @@ def test_every_collective_call_pays_the_latency_ddp_per_bucket_fsdp_per_unit():
     """gpt-tiny's shape: 2 blocks, so 3 FSDP units. With a free wire only latency is left:
     DDP one call per bucket; zero3 per unit a forward gather, a reduce-scatter, and a backward
     gather for every unit but the root; zero2 no backward gather; the clip norm one more call."""
-    from training.costmodel import comm_time, ddp_buckets, fsdp_units
+    from training.planner.comm import comm_time, ddp_buckets, fsdp_units
 
     shape = gpt()[0].anatomy.shape
     alpha = 1e-3
@@ -295,7 +297,7 @@ def test_every_collective_call_pays_the_latency_ddp_per_bucket_fsdp_per_unit():
 
 
 def test_latency_grows_along_a_ring_then_along_a_tree():
-    from training.costmodel import latency_hops
+    from training.planner.comm import latency_hops
 
     assert [latency_hops(n) for n in (2, 4, 8, 512)] == pytest.approx([1, 3, 6, 18])
     measured_at_node = Link(alpha_s=10e-6, busbw_gbps=float("inf"), world=8)
@@ -303,7 +305,7 @@ def test_latency_grows_along_a_ring_then_along_a_tree():
 
 
 def test_a_large_gradient_fills_many_ddp_buckets():
-    from training.costmodel import comm_time
+    from training.planner.comm import comm_time
 
     shape = flat(100 * MIB / 4)  # 100 MiB of fp32 gradients
     wire = Link(alpha_s=1e-3, busbw_gbps=float("inf"), world=2)
@@ -313,7 +315,9 @@ def test_a_large_gradient_fills_many_ddp_buckets():
 
 
 def test_the_strategy_overhead_is_on_the_critical_path_and_time_shares_a_cpu_host():
-    from training.costmodel import Comm, Hardware, step_time
+    from training.planner.comm import Comm
+    from training.planner.hardware import Hardware
+    from training.planner.step import step_time
 
     cpu = Hardware(1e9, 10**9, {}, {}, seconds_per_sample=1e-3, cores=2, threads_per_device=1,
                    overhead_s={"zero3": 0.010})
@@ -329,7 +333,8 @@ def test_the_strategy_overhead_is_on_the_critical_path_and_time_shares_a_cpu_hos
 
 def test_the_history_is_the_median_of_each_points_first_three_measurements_and_then_settles():
     from pipelines.calibration import settle
-    from training.costmodel import MeasuredStep, StepPrediction
+    from training.planner.calibration import MeasuredStep
+    from training.planner.step import StepPrediction
 
     def run(strategy, devices, ms):
         return MeasuredStep(strategy, devices, StepPrediction(0.010, 0.001, 0.0), ms / 1e3)
@@ -346,7 +351,9 @@ def test_a_cpu_hosts_measured_shared_cores_slow_compute_and_each_collective():
     """training/shared_cores.py: measured at 4 ranks on 2 cores, compute 2.2x (time-sharing's 2x and
     10 % beyond it); each collective issued between compute 3 ms, and 0.25 ms more per ms of
     compute since the last one."""
-    from training.costmodel import Comm, Hardware, step_time
+    from training.planner.comm import Comm
+    from training.planner.hardware import Hardware
+    from training.planner.step import step_time
     from training.shared_cores import SharedCores
 
     shared = SharedCores(world=4, threads_per_rank=1, cores=2, alone_s=0.005, together_s=0.011, call_s=0.003,
@@ -372,7 +379,9 @@ def test_a_prediction_on_a_measured_cpu_host_pays_the_shared_cores():
     """predict_layout with a SharedCores: compute times the measured factor; each collective the
     step makes pays the per-call cost and the drift over its share of the compute (a DDP step of
     one bucket: one call, after the whole backward)."""
-    from training.costmodel import Hardware, Workload, predict_layout
+    from training.planner.hardware import Hardware
+    from training.planner.predict import predict_layout
+    from training.planner.workload import Workload
     from training.shared_cores import SharedCores
 
     shape = flat(1024**2 / 4)  # 1 MiB of fp32 parameters

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from training.config import ModelConfig, StrategyConfig
-from training.dryrun import plan_layout
+from training.planner.dryrun import plan_layout
 
 SMALL = ModelConfig(name="gpt-small", kwargs=dict(vocab_size=50304, seq_len=1024, d_model=768, n_layers=12, n_heads=12))
 FULL_PARAM_BYTES = plan_layout(SMALL, StrategyConfig(name="ddp"), 1)[0].param_bytes
@@ -127,9 +127,9 @@ LAYOUTS_64 = {
 def seven_b_shape():
     import torch
 
-    from training.anatomy import shape_of
     from training.models import build_model
     from training.models.spec import model_spec
+    from training.planner.anatomy import shape_of
 
     with torch.device("meta"):
         model = build_model(SEVEN_B, seed=0)
@@ -147,8 +147,8 @@ def test_the_plans_states_are_what_the_dry_run_counts_at_7_5b_on_64_ranks(layout
     """The memory ruler describes the program that trains: its states per rank equal what the
     trainer's own layout allocates (parameters as stored, their gradients, the optimizer it
     builds), measured at 0.99-1.00 for every layout here."""
-    from training.costmodel import state_memory
     from training.parallel.compose import resolve_dims
+    from training.planner.memory import state_memory
 
     strategy = StrategyConfig(precision=precision, **LAYOUTS_64[layout])
     predicted = state_memory(seven_b_shape(), strategy.name, resolve_dims(strategy, 64), precision, strategy.reshard)

@@ -114,3 +114,51 @@ def test_no_module_imports_a_private_name_of_another_package():
                         private += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
                                     if a.name.startswith("_") and not a.name.startswith("__")]
     assert private == []
+
+
+def planner_order() -> list[str]:
+    """The planner's modules in the order its package docstring lists them (training/planner/__init__.py)."""
+    import training.planner
+
+    return [line.split(":")[0].removeprefix("- ") for line in training.planner.__doc__.splitlines()
+            if line.startswith("- ")]
+
+
+def test_the_planner_imports_only_down_its_declared_order_and_nothing_of_the_pipeline():
+    """One planner package whose docstring lists its modules in dependency order: each imports only
+    those listed above it, and none imports the engine, a stage or a report (training/ knows
+    nothing of the pipeline). Every module of the package is listed."""
+    order = planner_order()
+    graph = import_graph()
+    modules = {name.removeprefix("training.planner.") for name in graph if name.startswith("training.planner.")}
+    assert modules == set(order), "the docstring lists every module of the package, and only those"
+    wrong = []
+    for name in order:
+        for dep in sorted(graph[f"training.planner.{name}"]):
+            if dep.startswith(("pipelines", "stages", "reports")):
+                wrong.append(f"{name} imports {dep}")
+            elif dep.startswith("training.planner.") and order.index(dep.removeprefix("training.planner.")) >= order.index(name):
+                wrong.append(f"{name} imports {dep}, listed below it")
+    assert wrong == []
+
+
+def test_the_rulers_and_the_search_are_arithmetic_without_torch():
+    """What-if plans of a 405B model on 16,384 GPUs answer in seconds because the rulers and the
+    search are arithmetic: only the modules that count a model (anatomy, fit, dryrun) import torch."""
+    counting = {"anatomy", "fit", "dryrun"}
+    with_torch = []
+    for name in planner_order():
+        imports = _runtime_imports(ast.parse((ROOT / "training" / "planner" / f"{name}.py").read_text()))
+        if any(i == "torch" or i.startswith("torch.") for i in imports) and name not in counting:
+            with_torch.append(name)
+    assert with_torch == []
+
+
+def test_the_library_imports_nothing_of_the_pipeline_and_common_nothing_at_all():
+    """training/ is what stages train and plan with, usable without the engine, MLflow or a
+    launcher; common/ (ConfigError, atomic files) is the leaf both sides may import."""
+    graph = import_graph()
+    wrong = [f"{name} imports {dep}" for name, deps in graph.items() for dep in sorted(deps)
+             if (name.startswith("training") and dep.startswith(("pipelines", "stages", "reports")))
+             or (name.startswith("common") and not dep.startswith("common"))]
+    assert wrong == []

@@ -9,17 +9,11 @@ import dataclasses
 import pytest
 
 from training.collectives import bus_factor
-from training.costmodel import (
-    Activations,
-    Group,
-    Link,
-    Shape,
-    Workload,
-    activation_memory,
-    comm_time,
-    feasible,
-)
 from training.parallel.dims import ParallelDims
+from training.planner.comm import Group, Link, comm_time
+from training.planner.memory import activation_memory
+from training.planner.shape import Activations, Shape
+from training.planner.workload import Workload, feasible
 
 D, HEADS, LAYERS, SEQ, B, FP32 = 32, 4, 2, 64, 4, 4
 SHAPE = Shape(params=30_000, layers=LAYERS, block_linear_params=2 * 12 * D * D, hidden=D, seq_len=SEQ, heads=HEADS,
@@ -119,7 +113,7 @@ def test_sequence_parallel_shards_what_tp_alone_leaves_whole():
     ("zbv", 2, 1 / 17),
 ])
 def test_each_schedules_bubble_by_hand(schedule, virtual, expected):
-    from training.costmodel import pipeline_bubble
+    from training.planner.pipeline import pipeline_bubble
 
     assert pipeline_bubble(4, 8, schedule, virtual) == pytest.approx(expected)
 
@@ -132,7 +126,7 @@ def test_microbatches_in_flight_as_measured_at_pp2_m4(schedule, virtual, first, 
     """What tests/dist/test_pipeline_schedules.py measured (first rank, last rank): gpipe 4 and 4,
     1f1b 2 and 1, interleaved 2.5 and 1.5, zero bubble and ZB-V 3 and 4; DualPipeV 3 on the first
     (2.5 measured on the last: costed at p + 1 on both)."""
-    from training.costmodel import in_flight
+    from training.planner.pipeline import in_flight
 
     assert in_flight(schedule, 2, 4, virtual) == (first, last)
 

@@ -13,18 +13,13 @@ import pytest
 import torch
 
 from training.config import ModelConfig, StrategyConfig, Target
-from training.costmodel import (
-    LOSS_PARALLEL_TEMPS,
-    Activations,
-    Shape,
-    Workload,
-    activation_memory,
-    comm_time,
-    params_per_rank,
-)
 from training.models import build_model
 from training.models.spec import model_spec
 from training.parallel.dims import ParallelDims
+from training.planner.comm import comm_time
+from training.planner.memory import activation_memory, params_per_rank
+from training.planner.shape import Activations, Shape
+from training.planner.workload import LOSS_PARALLEL_TEMPS, Workload
 
 V, H = 512, 64
 GPT = ModelConfig(name="gpt", kwargs=dict(vocab_size=V, d_model=H, n_layers=2, n_heads=4, seq_len=16))
@@ -44,7 +39,7 @@ def test_the_head_is_the_pipeline_layouts_last_linear_unless_the_loss_is_the_use
 
 
 def test_the_shape_counts_the_heads_parameters():
-    from training.anatomy import shape_of
+    from training.planner.anatomy import shape_of
 
     gpt = build_model(GPT, 0)
     assert shape_of(gpt, model_spec(gpt, GPT), H, 16).head_params == V * H
@@ -110,7 +105,7 @@ def test_the_trainers_tp_collectives_are_the_cost_models_with_and_without_the_sp
 
 
 def _link(collective, group):  # noqa: ANN001, ANN202 - any α–β link: only the calls are counted
-    from training.costmodel import Link
+    from training.planner.comm import Link
 
     return Link(alpha_s=1e-5, busbw_gbps=1.0, world=2)
 

@@ -8,21 +8,20 @@ import pytest
 import torch
 
 from training.activations import measure_tp_split
-from training.anatomy import fused_attention_on_meta
 from training.config import ModelConfig
-from training.costmodel import (
-    Activations,
-    Shape,
-    Workload,
+from training.models import batch_loss, build_model, model_loss
+from training.models.spec import model_spec
+from training.parallel.dims import ParallelDims
+from training.planner.anatomy import fused_attention_on_meta
+from training.planner.memory import (
     activation_memory,
     fsdp_gathered_root,
     fsdp_root_reduce,
     fsdp_working_set,
     memory_breakdown,
 )
-from training.models import batch_loss, build_model, model_loss
-from training.models.spec import model_spec
-from training.parallel.dims import ParallelDims
+from training.planner.shape import Activations, Shape
+from training.planner.workload import Workload
 
 B, S, H = 2, 16, 64
 SBH = S * B * H

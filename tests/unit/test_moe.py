@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training.anatomy import FlopCount
 from training.models.gpt import build
 from training.models.moe import LoadCounter, MoE, load_imbalance
+from training.planner.anatomy import FlopCount
 
 D, HIDDEN, E = 8, 16, 4
 
@@ -134,7 +134,7 @@ def test_a_hugging_face_moe_counts_its_active_parameters_on_meta(compose_cfg, pr
     """The plan's count of Mixtral's and Qwen3-MoE's presets at seq 16: per token and layer q, k, v,
     o (k and v at the key-value heads' width), the router's d x E and top-k SwiGLU experts of 3 d I
     each; the head d x V; causal attention's 6 d s per token and layer (q/k norms are not matmuls)."""
-    from training.anatomy import build_on_meta
+    from training.planner.anatomy import build_on_meta
 
     cfg = compose_cfg(f"model={preset}", "tracking=none").model
     c = cfg.kwargs

@@ -9,28 +9,19 @@ import dataclasses
 import pytest
 import torch
 
-from training.anatomy import measure_anatomy
 from training.config import ModelConfig
-from training.costmodel import (
-    Activations,
-    Group,
-    Link,
-    MeasuredStep,
-    Shape,
-    StepPrediction,
-    Workload,
-    all_to_all_bytes,
-    comm_time,
-    feasible,
-    group_of,
-    measured_imbalance,
-    state_memory,
-)
 from training.data import first_samples, markov
 from training.models import build_model, model_loss
 from training.models.moe import rank_imbalance, step_imbalance
 from training.models.spec import model_spec
 from training.parallel.dims import ParallelDims
+from training.planner.anatomy import measure_anatomy
+from training.planner.calibration import MeasuredStep, measured_imbalance
+from training.planner.comm import Group, Link, all_to_all_bytes, comm_time, group_of
+from training.planner.memory import state_memory
+from training.planner.shape import Activations, Shape
+from training.planner.step import StepPrediction
+from training.planner.workload import Workload, feasible
 
 # A model of 1000 dense parameters in its blocks beside 8000 of experts: 2 MoE layers of 8 experts.
 SHAPE = Shape(params=10_000, layers=2, block_linear_params=0, hidden=64, seq_len=32, heads=4,
@@ -173,7 +164,7 @@ def test_the_imbalance_each_degree_would_see_is_measured_from_the_routed_slots()
 
 
 def test_the_search_offers_ep_where_the_trainer_can_split_the_experts():
-    from training.search import layouts
+    from training.planner.search import layouts
 
     found = {(flavour, d) for flavour, d in layouts(8, SHAPE)}
     split = {(flavour, d) for flavour, d in found if d.ep > 1}

@@ -8,11 +8,11 @@ import torch
 
 from common.errors import ConfigError
 from training.activations import measure_tp_split
-from training.anatomy import measure_variant
 from training.config import ModelConfig
 from training.models import batch_loss, build_model, model_loss
 from training.models.spec import ContractError, model_spec
 from training.parallel.ac import apply_ac
+from training.planner.anatomy import measure_variant
 
 B, S, H, LAYERS = 2, 32, 256, 2
 SBH = S * B * H

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from training.costmodel import pipeline_bubble
 from training.parallel.bubble import table_bubble
 from training.parallel.schedules import microbatches_problem
+from training.planner.pipeline import pipeline_bubble
 
 FULL = [(schedule, pp, m) for schedule, per_pp in
         [("interleaved_1f1b", (1, 3)), ("zero_bubble", (1, 3)), ("zbv", (2, 3)), ("dualpipev", (2, 3))]
@@ -21,7 +21,7 @@ FULL = [(schedule, pp, m) for schedule, per_pp in
 def test_the_closed_forms_are_torchs_tables_once_the_pipeline_is_full(schedule, pp, m):
     """(p − 1) / (v·m + p − 1) for interleaved 1F1B, a third of the idle time for the zero-bubble
     family: what torch's tables give with m >= p microbatches (m >= 2p for a V)."""
-    from training.costmodel import ZERO_BUBBLE
+    from training.planner.pipeline import ZERO_BUBBLE
 
     idle = (pp - 1) / (3 if schedule in ZERO_BUBBLE else 1)
     assert table_bubble(schedule, pp, m, 2) == pytest.approx(idle / (2 * m + idle), rel=1e-12)

@@ -202,7 +202,7 @@ def test_the_contract_check_runs_a_batch_through_the_stages(model, problem):
 def test_a_dry_run_counts_every_chunk_a_rank_holds():
     """3-D layout dp_shard=2 x tp=2 x pp=2, interleaved over 2 x 2 stages: each rank holds two chunks
     of 3 blocks (of the 12), their FSDP and TP shards together, as much as one stage of 6 blocks."""
-    from training.dryrun import plan_layout
+    from training.planner.dryrun import plan_layout
 
     model = ModelConfig(name="gpt-small", kwargs=dict(vocab_size=512, seq_len=32, d_model=64, n_layers=12, n_heads=4))
     looped = StrategyConfig(name="hybrid", dp_shard=2, tp=2, pp=2, pp_schedule="interleaved_1f1b",

@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 
 from training import strategies
-from training.costmodel import Activations, Hardware, Link, Shape, predict_layout
-from training.search import (
+from training.planner.comm import Link
+from training.planner.hardware import Hardware
+from training.planner.predict import predict_layout
+from training.planner.search import (
     Space,
     Variant,
     batch_splits,
@@ -20,6 +22,7 @@ from training.search import (
     search,
     strategy_name,
 )
+from training.planner.shape import Activations, Shape
 from training.units import GIB
 
 INTRA = {"all_reduce": Link(alpha_s=10e-6, busbw_gbps=450, world=8)}

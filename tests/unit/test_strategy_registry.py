@@ -38,8 +38,8 @@ def test_an_unregistered_strategy_is_one_line_listing_the_registered_ones():
 
 def test_parallelize_applies_it_and_the_dry_run_lays_it_out(toy):
     from tests.unit.test_dryrun import FULL_PARAM_BYTES, SMALL
-    from training.dryrun import plan_layout
     from training.parallel.compose import resolve_dims, techniques
+    from training.planner.dryrun import plan_layout
 
     cfg = StrategyConfig(name="toyshard")
     assert techniques(cfg, resolve_dims(cfg, 8)) == techniques(StrategyConfig(name="zero2"),
@@ -50,10 +50,11 @@ def test_parallelize_applies_it_and_the_dry_run_lays_it_out(toy):
 
 
 def test_the_cost_model_and_the_advisor_predict_it_from_its_declaration(toy, compose_cfg):
-    from stages.advice import pure
     from tests.unit.test_advisor import plan_inputs
-    from training.costmodel import Shape, state_memory
     from training.parallel.dims import ParallelDims
+    from training.planner.advice import pure
+    from training.planner.memory import state_memory
+    from training.planner.shape import Shape
 
     shape = Shape(params=10**9, layers=10, block_linear_params=0, hidden=1024, seq_len=512, heads=16,
                   first_stage_params=0, last_stage_params=0)

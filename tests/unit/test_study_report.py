@@ -12,8 +12,9 @@ from reports.study import StudyRun, latest_per_point, regrets, study_runs, table
 from stages.prediction import PredictionCheck
 from stages.train import TrainResult
 from stages.trials import TrialsResult
-from training.costmodel import Prediction, StepPrediction
-from training.search import Candidate
+from training.planner.predict import Prediction
+from training.planner.search import Candidate
+from training.planner.step import StepPrediction
 
 
 def prediction(samples_per_s: float = 100.0, step_time_error_pct: float = 12.5) -> PredictionCheck:

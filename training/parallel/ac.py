@@ -38,7 +38,7 @@ SAVED_OPS = frozenset({
     # in attention written out by hand).
     _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
     # Attention, whichever kernel runs it: flash/efficient/cuDNN on GPUs, the flash kernel for CPU
-    # (what torch 2.13 runs here, and what the meta-device count runs: training/anatomy.py).
+    # (what torch 2.13 runs here, and what the meta-device count runs: training/planner/anatomy.py).
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,

@@ -9,7 +9,7 @@ microbatch's forward, input-gradient and weight-gradient passes one unit each (a
 two), every action starting when its rank is free and what it needs is done. The idle fraction is
 the rank's share of the span it waits.
 
-The cost model's closed forms (training/costmodel.py pipeline_bubble) equal these tables once the
+The cost model's closed forms (training/planner/pipeline.py pipeline_bubble) equal these tables once the
 pipeline is full, and not before: with fewer microbatches than ranks a looped schedule waits a
 whole loop for each microbatch (pp=4, v=2, m=2: 0.56 idle against the closed form's 0.43), ZB-V
 until 1.5x as many (tests/unit/test_pipeline_bubble.py). Importing torch.distributed.pipelining

@@ -192,7 +192,7 @@ def resolve_dims(strategy: StrategyConfig, world: int) -> ParallelDims:
 
 def expert_parallel_problem(dims: ParallelDims, zero1: bool, experts: list[int] | tuple[int, ...]) -> str | None:
     """Why `dims.ep` can't split the experts (`experts`: each MoE layer's count) on `dims`; None when
-    it can. The trainer's check (pipelines/validate.py) and the search's (training/costmodel.py)."""
+    it can. The trainer's check (pipelines/validate.py) and the search's (training/planner/memory.py)."""
     ep = dims.ep
     if ep == 1:
         return None

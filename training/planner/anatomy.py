@@ -24,10 +24,10 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, bmm_flop, sdpa_backward_flop_count, sdpa_flop_count
 
 from training.config import ModelConfig
-from training.costmodel import Activations, Anatomy, Shape, extended
 from training.memory import AuditRow, SavedActivations, memory_audit
 from training.models import Batch, LossFn, batch_loss, batch_size, build_model, model_loss, tokens_per_sample
 from training.models.spec import ContractError, ExpertSite, ModelSpec, model_spec, tp_divisors
+from training.planner.shape import Activations, Anatomy, Shape, extended
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 """The dtype a precision holds parameters in (fp8: bf16, each linear cast to Float8 inside its matmul)."""

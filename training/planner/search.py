@@ -24,19 +24,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from training import strategies
-from training.costmodel import (
-    Activations,
-    Calibration,
-    Hardware,
-    Prediction,
-    Shape,
-    Workload,
-    feasible,
-    memory_per_device,
-    predict_layout,
-    state_memory,
-)
 from training.parallel.dims import ParallelDims, expert_parallel_problem
+from training.planner.calibration import Calibration
+from training.planner.hardware import Hardware
+from training.planner.memory import memory_per_device, state_memory
+from training.planner.predict import Prediction, predict_layout
+from training.planner.shape import Activations, Shape
+from training.planner.workload import Workload, feasible
 from training.units import GIB
 
 TOP = 10

@@ -10,19 +10,13 @@ from typing import TYPE_CHECKING
 
 from training import strategies
 from training.config import ClusterConfig, DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
-from training.costmodel import (
-    Anatomy,
-    Calibration,
-    Group,
-    Hardware,
-    Shape,
-    all_to_all_bytes,
-    group_of,
-    predict_layout,
-    state_memory,
-)
 from training.parallel.dims import resolve_dims
-from training.search import (
+from training.planner.calibration import Calibration
+from training.planner.comm import Group, all_to_all_bytes, group_of
+from training.planner.hardware import Hardware
+from training.planner.memory import state_memory
+from training.planner.predict import predict_layout
+from training.planner.search import (
     NODE_LOCAL,
     Candidate,
     Searched,
@@ -34,11 +28,12 @@ from training.search import (
     search_cp,
     strategy_name,
 )
+from training.planner.shape import Anatomy, Shape
 from training.strategies import flavour_of
 from training.units import GIB
 
 if TYPE_CHECKING:
-    from training.anatomy import VariantCost
+    from training.planner.anatomy import VariantCost
 
 def pure() -> list[str]:
     """The strategies drawn as scaling curves and explained one by one (training/strategies/)."""
@@ -139,7 +134,7 @@ def advise(cfg: AdviceInputs, anatomy: Anatomy, costs: list[VariantCost], hw: Ha
 def own_candidate(cfg: AdviceInputs, anatomy: Anatomy, variants: list[Variant], hw: Hardware, memory_limit: float,
                   overlap: float, calibration: Calibration | None, micro: int, space: Space) -> Candidate | None:
     """The layout and knobs this invocation asked for, predicted as a candidate."""
-    from training.search import candidate_of
+    from training.planner.search import candidate_of
 
     world = cfg.nodes * cfg.procs_per_node
     d = resolve_dims(cfg.strategy, world)
@@ -219,7 +214,7 @@ def _why_absent(name: str, anatomy: Anatomy, cfg: AdviceInputs) -> str:
 
 TIER_TRAFFIC = {"tp": ("all_reduce", "4 all-reduces per layer"), "cp": ("all_gather", "K/V all-gathered per layer"),
                 "ep": ("all_to_all", "4 all-to-alls per MoE layer")}
-"""What each node-local degree sends per layer (training/costmodel.py's comm_time), and its collective."""
+"""What each node-local degree sends per layer (training/planner/comm.py's comm_time), and its collective."""
 
 
 def tier(c: Candidate, hw: Hardware) -> str:

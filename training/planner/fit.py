@@ -1,7 +1,7 @@
 """Does the model fit a rank's memory, and on what is the smallest layout that holds it?
 
-The memory ruler (training/costmodel.py) asked before anything runs, from the model counted on the
-meta device (training/anatomy.py: its shape and the bytes it saves per sample, in the run's
+The memory ruler (training/planner/memory.py) asked before anything runs, from the model counted on the
+meta device (training/planner/anatomy.py: its shape and the bytes it saves per sample, in the run's
 precision): the config check refuses a layout that cannot fit a rank's budget, and the stages the
 card places on one device run, for a model larger than one device, on the smallest world that
 holds it sharded (zero3 over 2, 4, ... ranks), as the first ruler says to.
@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from training.config import DataConfig, ModelConfig, StrategyConfig
-from training.costmodel import Activations, Memory, Shape, memory_breakdown, strategy_workload
 from training.parallel.dims import resolve_dims
+from training.planner.memory import Memory, memory_breakdown
+from training.planner.shape import Activations, Shape
+from training.planner.workload import strategy_workload
 from training.units import GIB
 
 SHARDED = "zero3"
@@ -36,9 +38,9 @@ def counted(model: ModelConfig, data: DataConfig, seed: int, precision: str, che
     if key not in _COUNTED:
         import torch
 
-        from training.anatomy import build_on_meta, measure_variant, shape_of
         from training.data import build_dataset, first_samples
         from training.models import to_device
+        from training.planner.anatomy import build_on_meta, measure_variant, shape_of
 
         model_nn, spec = build_on_meta(model, seed)
         shape = shape_of(model_nn, spec, hidden=1, positions=1)
@@ -54,9 +56,9 @@ def slice_counted(model: ModelConfig, data: DataConfig, seed: int, precision: st
     import torch
 
     from training.activations import measure_tp_split
-    from training.anatomy import build_on_meta, fused_attention_on_meta, shape_of
     from training.data import build_dataset, first_samples
     from training.models import batch_loss, model_loss, to_device
+    from training.planner.anatomy import build_on_meta, fused_attention_on_meta, shape_of
 
     net, spec = build_on_meta(model, seed, precision, checkpointing)
     spec.keep_first_blocks(blocks)

@@ -1,0 +1,104 @@
+"""What the predictions run on: measured links, compute and memory (this machine) or a described
+cluster preset; on CPU hosts, how the ranks share the cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from training.planner.comm import Group, Link
+from training.shared_cores import SharedCores, time_share
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the predictions run on: measured (this machine) or described by a cluster preset."""
+
+    device_memory_bytes: float
+    devices_per_node: int
+    intra: dict[str, Link]
+    """α–β per collective inside a node."""
+    inter: dict[str, Link]
+    """α–β per collective across nodes, every rank of each node in the collective (nccl-tests
+    across full nodes: the node's NICs together)."""
+    seconds_per_sample: float
+    """Forward + backward + step compute of one sample on one device."""
+    cores: int | None = None
+    """CPU hosts: the cores the ranks share; None for GPUs (every rank has its own device)."""
+    threads_per_device: int = 1
+    """CPU hosts: threads one rank computes with (the measured "device")."""
+    shared: SharedCores | None = None
+    """CPU hosts where the bandwidth stage measured it: compute with every rank working, and the
+    cost of a collective issued between compute. None: the cores' time-sharing alone, no call cost."""
+    overhead_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Per strategy: what its wrapper adds to one micro-batch step, measured on one rank
+    (training/overhead.py); a strategy not in it (a what-if cluster, pp) is taken to add nothing."""
+    inter_single: dict[str, Link] = dataclasses.field(default_factory=dict)
+    """α–β per collective across nodes with one rank per node (the data-parallel group of a
+    node-local TP layout): what one rank's share of the node's NICs carries. Measured by the
+    bandwidth stage where there are several ranks per node; else (a preset) the node's figure over
+    its devices: one NIC per GPU, as DGX-class nodes are built."""
+    _links: dict[tuple[str, Group], Link] = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                                              compare=False)
+    """link()'s answers, kept: a search asks for the same few millions of times (a copy made by
+    dataclasses.replace starts empty)."""
+
+    def contention(self, world: int) -> float:
+        """How much slower one rank's CPU work runs when `world` ranks run: 1 on GPUs; on a CPU
+        host, once the ranks' threads outnumber its cores they time-share them."""
+        if self.cores is None:
+            return 1.0
+        if self.shared is not None:
+            return self.shared.contention(world)
+        return time_share(world, self.threads_per_device, self.cores)
+
+    def call_cost(self, world: int, gap_s: float) -> float:
+        """What a collective issued after `gap_s` of compute adds at `world` ranks (0 on GPUs and
+        where nothing measured it)."""
+        return self.shared.call_cost(world, gap_s) if self.shared is not None and self.cores is not None else 0.0
+
+    def compute_per_sample(self, world: int) -> float:
+        """Per-sample compute of one rank when `world` ranks run."""
+        return self.seconds_per_sample * self.contention(world)
+
+    def strategy_overhead(self, strategy: str, world: int) -> float:
+        """The strategy's per-micro-batch overhead on one rank of `world` (none unwrapped, at 1)."""
+        return self.overhead_s.get(strategy, 0.0) * self.contention(world) if world > 1 else 0.0
+
+    def link(self, collective: str, group: Group) -> Link:
+        """The α–β model of `collective` over `group`, on the tier it crosses. Inside a node: the
+        intra-node fit. Across nodes, as NCCL's hierarchical algorithms run it: the bandwidth of the
+        NICs the group's ranks of a node bring (each rank its share: inter_single per rank, at most
+        the full node's figure), the latency of the hops across nodes. With nothing measured (a
+        world of one) only single-rank calls, which cost nothing, can be asked for."""
+        key = (collective, group)
+        if key not in self._links:
+            self._links[key] = self._link(collective, group)
+        return self._links[key]
+
+    def _link(self, collective: str, group: Group) -> Link:
+        if group.nodes <= 1:
+            found = _pick(self.intra, collective) or _pick(self.inter, collective)
+        else:
+            full = _pick(self.inter, collective) or _pick(self.intra, collective)
+            found = None if full is None else self._across(collective, full, group)
+        if found is None:
+            assert group.ranks <= 1, "no bandwidth measured: nothing to predict beyond one device"
+            return Link(alpha_s=0.0, busbw_gbps=float("inf"), world=1)
+        return found
+
+    def _across(self, collective: str, full: Link, group: Group) -> Link:
+        """A group spanning nodes: `per_node` ranks' NIC shares, at most the full node's busbw;
+        the latency of the full-node fit (several ranks per node: a hierarchical ring), or of one
+        rank per node, at this group's size."""
+        single = _pick(self.inter_single, collective) or Link(
+            full.alpha_s, full.busbw_gbps / max(self.devices_per_node, 1), full.world)
+        busbw = min(full.busbw_gbps, single.busbw_gbps * group.per_node)
+        alpha = (full if group.per_node > 1 else single).alpha_at(group.ranks)
+        return Link(alpha_s=alpha, busbw_gbps=busbw, world=group.ranks)
+
+
+def _pick(links: dict[str, Link], collective: str) -> Link | None:
+    """The fit for `collective`, else all_reduce's (the one every probe and preset has)."""
+    return links.get(collective) or links.get("all_reduce")
