@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.plan import PlanInputs, PlanResult
+from stages.plan import PlanResult
+from training.planner.advice import PlanInputs
 from training.planner.search import Candidate, setting_label
 
 ROOT = Path(__file__).resolve().parents[1]

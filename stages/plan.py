@@ -3,11 +3,12 @@
 Ruler 1, memory: the peak of one forward + backward + optimizer step on one device, against
 `plan.memory_fraction` of the device. Ruler 2, bandwidth: the busbw the probe measured, fitted
 to an α–β model per collective. Ruler 3, compute density: FLOPs per sample and per byte moved,
-and the measured compute time of a step. training/planner/ turns them into memory, step time,
-throughput and scaling efficiency; training/planner/search.py searches every layout of the requested world
-and the knobs that make it fit (micro-batch, accumulation, checkpointing, precision, pipeline
-schedule, DDP buckets) for the highest predicted tokens/s, and training/planner/advice.py explains each
-strategy's rejection. The scaling curves predict the pure strategies at 1, 2, 4 ... plan.max_devices.
+and the measured compute time of a step. This stage measures them (on one device, a slice of the
+model when it exceeds one) and hands them to the planner (training/planner/): predictions of
+memory, step time, throughput and scaling efficiency, the search over every layout of the
+requested world and the knobs that make it fit for the highest predicted tokens/s, and the
+reasons (which ruler decided against each strategy). A what-if plan (`whatif`) measures nothing:
+the model is counted on the meta device and the cluster is a preset.
 """
 
 from __future__ import annotations
@@ -23,28 +24,23 @@ from stages.bandwidth import BandwidthResult
 from stages.common import log, workbench
 from stages.lr_find import LrFindResult
 from training import strategies
-from training.collectives import Measurement
-from training.config import ClusterConfig, DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
+from training.config import StrategyConfig
 from training.memory import AuditRow
-from training.parallel.dims import resolve_dims
 from training.planner.advice import (
-    AdviceInputs,
-    advise,
-    expert_reason,
-    headline_reason,
-    node_local_reason,
-    precision_peak,
-    pure,
-    rejection_reasons,
+    PlanInputs,
+    advise_plan,
+    budget_bytes,
+    data_parallel_size,
+    described_hardware,
+    own_setting,
     searched_variants,
+    workload,
 )
 from training.planner.calibration import Calibration, MeasuredStep, fit_calibration, measured_imbalance
-from training.planner.comm import Link, fit_link
-from training.planner.hardware import Hardware
-from training.planner.predict import Prediction, device_counts, predict
+from training.planner.hardware import Hardware, measured_links
+from training.planner.predict import Prediction
 from training.planner.search import Candidate, Variant, describe
 from training.planner.shape import Activations, Anatomy
-from training.planner.workload import Workload, strategy_workload
 from training.units import GIB
 
 TIMED_STEPS = 5
@@ -52,19 +48,6 @@ MAX_TIMED_STEPS = 50
 TIMED_BUDGET_S = 1.0
 # Goyal et al. (2017) saw the linear rule hold to 8k-sample ImageNet batches, ~32x their base.
 LINEAR_RULE_LIMIT = 32
-
-
-@dataclass(frozen=True)
-class PlanInputs:
-    plan: PlanConfig
-    cluster: ClusterConfig
-    model: ModelConfig
-    data: DataConfig
-    train: TrainConfig
-    strategy: StrategyConfig
-    nodes: int
-    procs_per_node: int
-    seed: int
 
 
 @dataclass(frozen=True)
@@ -196,7 +179,7 @@ class PlanResult:
         point. (Under strategy=auto the train stage holds the run against the candidate it chose.)"""
         if devices == self.world_size:
             return self.requested.prediction if self.requested is not None else None
-        return self.prediction(strategy if strategy in pure() else strategies.flavours()[0].name, devices)
+        return self.prediction(strategy if strategy in strategies.pure() else strategies.flavours()[0].name, devices)
 
     def table(self) -> str:
         """The best candidates at the requested world size, and the requested layout."""
@@ -207,10 +190,6 @@ class PlanResult:
         if self.recommended is not None:
             rows.append(f"  run it: {self.recommended.command}")
         return "\n".join(rows)
-
-
-def data_parallel_size(cfg: PlanInputs) -> int:
-    return resolve_dims(cfg.strategy, cfg.nodes * cfg.procs_per_node).dp_size
 
 
 def _timed_steps(step) -> float:  # noqa: ANN001 - a zero-argument callable
@@ -270,7 +249,7 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult, anatomy: Anatomy) -> Ru
         step(probe, held)
     memory = held[0]
     compute = _timed_steps(step)
-    overheads = measure_overheads(model, cfg.model, bench.loss, batch, list(cfg.plan.strategies or pure()), dev, clip,
+    overheads = measure_overheads(model, cfg.model, bench.loss, batch, list(cfg.plan.strategies or strategies.pure()), dev, clip,
                                   step_strategy(cfg))
     device_bytes = (budget_bytes(cfg) or cfg.plan.device_memory_bytes
                     or usable_device_bytes(bandwidth, memory.reserve_ratio)
@@ -309,19 +288,6 @@ def usable_device_bytes(bandwidth: BandwidthResult, reserve_ratio: float) -> int
     if bandwidth.free_device_bytes is None:
         return None
     return int(bandwidth.free_device_bytes / max(reserve_ratio, 1.0))
-
-
-def budget_bytes(cfg: PlanInputs) -> float | None:
-    """Each rank's device-memory budget: cluster.device_memory_gib on a measured cluster."""
-    c = cfg.cluster
-    return c.device_memory_gib * GIB if c.measured and c.device_memory_gib is not None else None
-
-
-def memory_limit(cfg: PlanInputs, hw: Hardware) -> float:
-    """What a layout's predicted peak must stay under: a budget counted in tensor bytes as it is
-    (no allocator there to leave room for), else plan.memory_fraction of the device."""
-    budget = budget_bytes(cfg)
-    return budget if budget is not None else cfg.plan.memory_fraction * hw.device_memory_bytes
 
 
 def sliced_to(cfg: PlanInputs, micro: int) -> int | None:
@@ -415,7 +381,7 @@ def variant_costs(cfg: PlanInputs, anatomy: Anatomy, measured_activations: float
 
     sample = meta_sample(cfg)
     costs = [measure_variant(cfg.model, cfg.seed, sample, precision, checkpointing)
-             for precision, checkpointing in searched_variants(advice_inputs(cfg), anatomy.shape.layers)]
+             for precision, checkpointing in searched_variants(cfg, anatomy.shape.layers)]
     if measured_activations is not None:
         own = (cfg.strategy.precision, cfg.strategy.activation_checkpointing)
         # The measured step's saved bytes, split as the meta count split them, and its loss temporaries.
@@ -433,22 +399,6 @@ def measured_split(counted: Activations, measured: float) -> Activations:
                                tp_replicated=counted.loss_temp + measured * share)
 
 
-def workload(cfg: PlanInputs, anatomy: Anatomy) -> Workload:
-    return strategy_workload(anatomy.shape, anatomy.activations, cfg.strategy,
-                             cfg.train.micro_batch_for(data_parallel_size(cfg)), cfg.train.grad_accum,
-                             anatomy.tokens_per_sample, clip=cfg.train.grad_clip is not None)
-
-
-def measured_links(results: list[Measurement], world: int) -> dict[str, Link]:
-    """An α–β fit per collective the probe measured (at `world` ranks: the size of its groups)."""
-    links = {}
-    for name in sorted({m.collective for m in results}):
-        points = [(m.bytes, m.time_us * 1e-6) for m in results if m.collective == name]
-        if len(points) >= 2:
-            links[name] = fit_link(points, name, world)
-    return links
-
-
 def measured_tiers(bandwidth: BandwidthResult) -> dict[str, Any]:
     """Hardware's links by tier from what the probe measured. One node: its links serve every
     size (launcher=local: every rank on this host's links; nothing measured across nodes). One rank
@@ -464,89 +414,25 @@ def measured_tiers(bandwidth: BandwidthResult) -> dict[str, Any]:
             "inter_single": measured_links(bandwidth.spread_results, bandwidth.nodes)}
 
 
-def preset_links(gbps: float, latency_us: float, world: int) -> dict[str, Link]:
-    """A preset's published small-message latency is nccl-tests' at a full node (intra) or two
-    nodes (inter): the `world` the ring latency is scaled from."""
-    return {"all_reduce": Link(alpha_s=latency_us * 1e-6, busbw_gbps=gbps, world=world)}
-
-
 def hardware(cfg: PlanInputs, executed_flops_per_sample: float, rulers: Rulers | None,
              bandwidth: BandwidthResult | None, micro: int) -> Hardware:
     """Measured numbers for cluster=cpu-local (and any `measured` cluster), else the preset's."""
-    c = cfg.cluster
-    if c.measured:
-        assert rulers is not None and bandwidth is not None, "a measured cluster needs the measurements"
-        cpu = rulers.memory_source != "cuda_allocator"
-        # The ranks' own threads and cores as the bandwidth stage found them on every rank; at one
-        # rank (nothing probed) this process's.
-        shared = bandwidth.shared_cores if cpu else None
-        return Hardware(
-            device_memory_bytes=rulers.device_memory_bytes,
-            **measured_tiers(bandwidth),
-            seconds_per_sample=rulers.step_compute_s / micro,
-            cores=(shared.cores if shared else os.cpu_count() or 1) if cpu else None,
-            threads_per_device=shared.threads_per_rank if shared else rulers.threads,
-            overhead_s=rulers.strategy_overhead_s,
-            shared=shared,
-        )
-    # The run's own precision at the datasheet's peak for it, times what a tuned step achieves.
-    per_sample = executed_flops_per_sample / (precision_peak(advice_inputs(cfg), cfg.strategy.precision) * c.achievable_mfu)
+    if not cfg.cluster.measured:
+        return described_hardware(cfg, executed_flops_per_sample)
+    assert rulers is not None and bandwidth is not None, "a measured cluster needs the measurements"
+    cpu = rulers.memory_source != "cuda_allocator"
+    # The ranks' own threads and cores as the bandwidth stage found them on every rank; at one
+    # rank (nothing probed) this process's.
+    shared = bandwidth.shared_cores if cpu else None
     return Hardware(
-        device_memory_bytes=c.device_memory_gib * GIB,
-        devices_per_node=c.devices_per_node,
-        intra=preset_links(c.intra_node_gbps, c.intra_node_latency_us, max(c.devices_per_node, 2)),
-        inter=preset_links(c.inter_node_gbps, c.inter_node_latency_us, 2 * c.devices_per_node),
-        seconds_per_sample=per_sample,
+        device_memory_bytes=rulers.device_memory_bytes,
+        **measured_tiers(bandwidth),
+        seconds_per_sample=rulers.step_compute_s / micro,
+        cores=(shared.cores if shared else os.cpu_count() or 1) if cpu else None,
+        threads_per_device=shared.threads_per_rank if shared else rulers.threads,
+        overhead_s=rulers.strategy_overhead_s,
+        shared=shared,
     )
-
-
-def predictions(cfg: PlanInputs, w: Workload, hw: Hardware, world: int,
-                calibration: Calibration | None = None) -> list[Prediction]:
-    limit = memory_limit(cfg, hw)
-    overlap = cfg.plan.overlap if cfg.plan.overlap is not None else (0.0 if hw.cores else 1.0)
-    base = predict(w, hw, "ddp", 1, float("inf"), overlap, 1.0, calibration)
-    single = base.samples_per_s
-    out = []
-    for devices in device_counts(cfg.plan.max_devices, world):
-        if devices > 1 and not (hw.intra or hw.inter):
-            continue  # no bandwidth measured: nothing to predict beyond one device
-        for strategy in [s for s in pure() if not cfg.plan.strategies or s in cfg.plan.strategies]:
-            p = predict(w, hw, strategy, devices, limit, overlap, single, calibration)
-            if p is not None:
-                out.append(p)
-    return out
-
-
-def advice_inputs(cfg: PlanInputs) -> AdviceInputs:
-    return AdviceInputs(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(AdviceInputs)})
-
-
-def advise_plan(cfg: PlanInputs, anatomy: Anatomy, costs: list, hw: Hardware, w: Workload,
-                calibration: Calibration | None) -> tuple[dict, list[str]]:
-    """The search and the reasons; fields of the PlanResult."""
-    world = cfg.nodes * cfg.procs_per_node
-    limit = memory_limit(cfg, hw)
-    overlap = cfg.plan.overlap if cfg.plan.overlap is not None else (0.0 if hw.cores else 1.0)
-    inputs = advice_inputs(cfg)
-    searched, requested, variants = advise(inputs, anatomy, costs, hw, limit, overlap, calibration, w.expert_imbalance)
-    best = searched.ranked[0] if searched.ranked else None
-    best = best if best is not None and best.fits else None
-    reasons = [headline_reason(best, searched, limit, world)]
-    tiers = node_local_reason(best, searched, hw)
-    reasons += [tiers] if tiers is not None else []
-    experts = expert_reason(best, searched, hw, anatomy.shape, w.expert_imbalance)
-    reasons += [experts] if experts is not None else []
-    reasons += rejection_reasons(searched, best, limit, hw, inputs, anatomy)
-    if requested is not None and best is not None:
-        reasons.append(f"requested: {requested.strategy} predicted {requested.tokens_per_s:.0f} tokens/s, "
-                       f"{requested.tokens_per_s / best.tokens_per_s:.2f}x the recommendation"
-                       + ("" if requested.fits else ", and it does not fit"))
-    recommended = best or (searched.ranked[0] if searched.ranked else None)
-    fields = {"recommended": recommended, "requested": requested, "candidates": searched.ranked[:10],
-              "layouts": searched.best_per_layout(10),
-              "evaluated": searched.evaluated, "variants": variants,
-              "predictions": predictions(cfg, w, hw, world, calibration)}
-    return fields, reasons
 
 
 def ruler_reasons(r: Rulers, cfg: PlanInputs, world: int) -> list[str]:
@@ -601,8 +487,7 @@ def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult,
     # A slice's activations are not the model's: the meta count stands for a sliced plan.
     measured = rulers.activation_bytes / micro if cfg.cluster.measured and rulers.sliced_blocks is None else None
     costs = variant_costs(cfg, anatomy, measured)
-    own = next(c for c in costs if (c.precision, c.activation_checkpointing) ==
-               (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
+    own = own_setting(cfg, costs)
     anatomy = dataclasses.replace(anatomy, activations=own.activations)
     w = dataclasses.replace(workload(cfg, anatomy), expert_imbalance=measured_imbalance(history))
     hw = hardware(cfg, own.executed_flops_per_sample, rulers, bandwidth, micro)
@@ -638,8 +523,7 @@ def whatif(cfg: PlanInputs) -> PlanResult:
     counted = counted_on_meta(cfg)
     anatomy = counted.anatomy
     costs = variant_costs(cfg, anatomy, None)
-    own = next(c for c in costs if (c.precision, c.activation_checkpointing) ==
-               (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
+    own = own_setting(cfg, costs)
     anatomy = dataclasses.replace(anatomy, activations=own.activations)
     w = workload(cfg, anatomy)
     hw = hardware(cfg, own.executed_flops_per_sample, None, None, w.micro_batch)

@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 
-from stages.plan import PlanInputs, whatif
+from stages.plan import whatif
 from training.parallel.dims import ParallelDims
+from training.planner.advice import PlanInputs
 from training.planner.search import Candidate
 from training.units import GIB
 

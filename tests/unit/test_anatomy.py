@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stages.plan import PlanInputs, counted_on_meta, whatif
+from stages.plan import counted_on_meta, whatif
 from training.config import ModelConfig
 from training.data import first_samples, markov
+from training.planner.advice import PlanInputs
 from training.planner.anatomy import FlopCount, meta_memory_audit
 
 MIB = 1024**2

@@ -52,9 +52,9 @@ def test_parallelize_applies_it_and_the_dry_run_lays_it_out(toy):
 def test_the_cost_model_and_the_advisor_predict_it_from_its_declaration(toy, compose_cfg):
     from tests.unit.test_advisor import plan_inputs
     from training.parallel.dims import ParallelDims
-    from training.planner.advice import pure
     from training.planner.memory import state_memory
     from training.planner.shape import Shape
+    from training.strategies import pure
 
     shape = Shape(params=10**9, layers=10, block_linear_params=0, hidden=1024, seq_len=512, heads=16,
                   first_stage_params=0, last_stage_params=0)

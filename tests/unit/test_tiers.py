@@ -102,7 +102,7 @@ def test_the_search_keeps_tp_in_a_node_unless_crossing_is_more_than_5_percent_fa
 
 
 def test_a_kept_crossing_layout_says_why_with_the_tiers_numbers():
-    from training.planner.advice import node_local_reason
+    from training.planner.reasons import node_local_reason
     from training.planner.search import Searched
 
     across, slower = candidate(16, 1000.0), candidate(8, 900.0, dp_shard=2)
@@ -114,7 +114,7 @@ def test_a_kept_crossing_layout_says_why_with_the_tiers_numbers():
 
 
 def test_a_kept_cp_group_across_nodes_names_cp_and_its_k_v_all_gathers():
-    from training.planner.advice import node_local_reason
+    from training.planner.reasons import node_local_reason
     from training.planner.search import Searched
 
     across, slower = candidate(1, 1000.0, cp=64), candidate(8, 800.0, dp_shard=8)

@@ -18,5 +18,7 @@ Where each idea lives, in dependency order (a module imports only those above it
 - fit: does a model fit one device, and the smallest layout that holds it.
 - dryrun: a layout at production scale on a fake process group, counted from the real sharded model.
 - search: the public entry for the space, `search` (every layout and knob, ranked).
-- advice: the search set up from a run's measurements or a described cluster, and its reasons.
+- reasons: the advice's reasons, in the seeds' terms (which ruler decided against each strategy).
+- advice: the plan's inputs (PlanInputs) read into a search set up from a run's measurements or a
+  described cluster, the run's own layout predicted the same way, the scaling curves, the reasons.
 """

@@ -6,43 +6,38 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from training import strategies
 from training.config import ClusterConfig, DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
 from training.parallel.dims import resolve_dims
 from training.planner.calibration import Calibration
-from training.planner.comm import Group, all_to_all_bytes, group_of
-from training.planner.hardware import Hardware
-from training.planner.memory import state_memory
-from training.planner.predict import predict_layout
+from training.planner.hardware import Hardware, preset_links
+from training.planner.predict import Prediction, device_counts, predict, predict_layout
+from training.planner.reasons import expert_reason, headline_reason, node_local_reason, rejection_reasons
 from training.planner.search import (
-    NODE_LOCAL,
     Candidate,
     Searched,
     Space,
     Variant,
-    closest_miss,
-    crosses_nodes,
     search,
     search_cp,
     strategy_name,
 )
-from training.planner.shape import Anatomy, Shape
+from training.planner.shape import Anatomy
+from training.planner.workload import Workload, strategy_workload
 from training.strategies import flavour_of
 from training.units import GIB
 
 if TYPE_CHECKING:
     from training.planner.anatomy import VariantCost
 
-def pure() -> list[str]:
-    """The strategies drawn as scaling curves and explained one by one (training/strategies/)."""
-    return [s.name for s in strategies.REGISTRY.values() if s.pure]
-
+T = TypeVar("T")
 
 @dataclass(frozen=True)
-class AdviceInputs:
-    """What the advice reads of the plan's inputs."""
+class PlanInputs:
+    """What the plan and its advice read: the run's config groups and its world (the plan stage's
+    config, and a what-if's)."""
 
     plan: PlanConfig
     cluster: ClusterConfig
@@ -55,7 +50,57 @@ class AdviceInputs:
     seed: int
 
 
-def searched_variants(cfg: AdviceInputs, blocks: int) -> list[tuple[str, str]]:
+def own_setting(cfg: PlanInputs, settings: list[T]) -> T:
+    """Of per-setting costs or variants, the one in the run's own precision and checkpointing."""
+    own = (cfg.strategy.precision, cfg.strategy.activation_checkpointing)
+    return next(s for s in settings if (s.precision, s.activation_checkpointing) == own)
+
+
+def data_parallel_size(cfg: PlanInputs) -> int:
+    return resolve_dims(cfg.strategy, cfg.nodes * cfg.procs_per_node).dp_size
+
+
+def budget_bytes(cfg: PlanInputs) -> float | None:
+    """Each rank's device-memory budget: cluster.device_memory_gib on a measured cluster."""
+    c = cfg.cluster
+    return c.device_memory_gib * GIB if c.measured and c.device_memory_gib is not None else None
+
+
+def memory_limit(cfg: PlanInputs, hw: Hardware) -> float:
+    """What a layout's predicted peak must stay under: a budget counted in tensor bytes as it is
+    (no allocator there to leave room for), else plan.memory_fraction of the device."""
+    budget = budget_bytes(cfg)
+    return budget if budget is not None else cfg.plan.memory_fraction * hw.device_memory_bytes
+
+
+def overlap(cfg: PlanInputs, hw: Hardware) -> float:
+    """How much of the data-parallel communication hides behind compute: plan.overlap, else none on
+    a CPU host (gloo runs on the cores that compute) and all it can on a GPU."""
+    return cfg.plan.overlap if cfg.plan.overlap is not None else (0.0 if hw.cores else 1.0)
+
+
+def workload(cfg: PlanInputs, anatomy: Anatomy) -> Workload:
+    """The run's own setting as the planner predicts it."""
+    return strategy_workload(anatomy.shape, anatomy.activations, cfg.strategy,
+                             cfg.train.micro_batch_for(data_parallel_size(cfg)), cfg.train.grad_accum,
+                             anatomy.tokens_per_sample, clip=cfg.train.grad_clip is not None)
+
+
+def described_hardware(cfg: PlanInputs, executed_flops_per_sample: float) -> Hardware:
+    """A cluster preset's hardware: the run's own precision at the datasheet's peak for it, times
+    what a tuned step achieves; its links as published."""
+    c = cfg.cluster
+    per_sample = executed_flops_per_sample / (precision_peak(cfg, cfg.strategy.precision) * c.achievable_mfu)
+    return Hardware(
+        device_memory_bytes=c.device_memory_gib * GIB,
+        devices_per_node=c.devices_per_node,
+        intra=preset_links(c.intra_node_gbps, c.intra_node_latency_us, max(c.devices_per_node, 2)),
+        inter=preset_links(c.inter_node_gbps, c.inter_node_latency_us, 2 * c.devices_per_node),
+        seconds_per_sample=per_sample,
+    )
+
+
+def searched_variants(cfg: PlanInputs, blocks: int) -> list[tuple[str, str]]:
     """(precision, checkpointing) pairs the search may choose, the run's own among them. On a
     described GPU cluster bf16 dominates fp32 (faster and smaller), so fp32 is searched only when
     asked for; a measured cluster is planned in the precision it was measured in."""
@@ -73,7 +118,7 @@ def searched_variants(cfg: AdviceInputs, blocks: int) -> list[tuple[str, str]]:
     return list(dict.fromkeys([own, *pairs]))
 
 
-def precision_peak(cfg: AdviceInputs, precision: str) -> float | None:
+def precision_peak(cfg: PlanInputs, precision: str) -> float | None:
     """The peak FLOP/s of one device in `precision`: train.peak_flops, else a described cluster's
     datasheet figure (a measured CPU has none). fp8's is the bf16 peak: MFU of a Float8 run is
     reported against it (torchtitan's convention), its linears' fp8 speed-up counted as MFU."""
@@ -85,7 +130,7 @@ def precision_peak(cfg: AdviceInputs, precision: str) -> float | None:
     return c.fp32_peak_flops if precision == "fp32" and c.fp32_peak_flops else c.peak_flops
 
 
-def variant(cfg: AdviceInputs, cost: VariantCost, own: VariantCost, hw: Hardware) -> Variant:
+def variant(cfg: PlanInputs, cost: VariantCost, own: VariantCost, hw: Hardware) -> Variant:
     """A setting's compute per sample: on a measured cluster the measured step scaled by the FLOPs
     it executes (checkpointing's recomputation); on a described one its FLOPs at the cluster's peak
     for that precision times its achievable MFU, fp8's linears at the fp8 peak and the rest of its
@@ -100,20 +145,19 @@ def variant(cfg: AdviceInputs, cost: VariantCost, own: VariantCost, hw: Hardware
     return Variant(cost.precision, cost.activation_checkpointing, seconds, cost.activations, peak)
 
 
-def command_prefix(cfg: AdviceInputs) -> str:
+def command_prefix(cfg: PlanInputs) -> str:
     """What every candidate's command shares: the world and the workload as this run named them."""
     return (f"model={cfg.model.name} data={cfg.data.name} cluster={cfg.cluster.name} nodes={cfg.nodes} "
             f"procs_per_node={cfg.procs_per_node}")
 
 
-def advise(cfg: AdviceInputs, anatomy: Anatomy, costs: list[VariantCost], hw: Hardware, memory_limit: float,
+def advise(cfg: PlanInputs, anatomy: Anatomy, costs: list[VariantCost], hw: Hardware, memory_limit: float,
            overlap: float, calibration: Calibration | None,
            expert_imbalance: tuple[tuple[int, float], ...] = ()) -> tuple[Searched, Candidate, list[Variant]]:
     """The search, and the run's own layout and knobs predicted the same way (`expert_imbalance`:
     the routing imbalance earlier runs measured, Workload's field)."""
     world = cfg.nodes * cfg.procs_per_node
-    own_cost = next(c for c in costs if (c.precision, c.activation_checkpointing) ==
-                    (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
+    own_cost = own_setting(cfg, costs)
     variants = [variant(cfg, c, own_cost, hw) for c in costs]
     space = Space(
         world=world, devices_per_node=min(hw.devices_per_node, world),
@@ -131,7 +175,7 @@ def advise(cfg: AdviceInputs, anatomy: Anatomy, costs: list[VariantCost], hw: Ha
     return searched, requested, variants
 
 
-def own_candidate(cfg: AdviceInputs, anatomy: Anatomy, variants: list[Variant], hw: Hardware, memory_limit: float,
+def own_candidate(cfg: PlanInputs, anatomy: Anatomy, variants: list[Variant], hw: Hardware, memory_limit: float,
                   overlap: float, calibration: Calibration | None, micro: int, space: Space) -> Candidate | None:
     """The layout and knobs this invocation asked for, predicted as a candidate."""
     from training.planner.search import candidate_of
@@ -139,165 +183,17 @@ def own_candidate(cfg: AdviceInputs, anatomy: Anatomy, variants: list[Variant], 
     world = cfg.nodes * cfg.procs_per_node
     d = resolve_dims(cfg.strategy, world)
     flavour = flavour_of(cfg.strategy, d)
-    own = next(v for v in variants if (v.precision, v.activation_checkpointing) ==
-               (cfg.strategy.precision, cfg.strategy.activation_checkpointing))
-    w = own.workload(anatomy.shape, micro, cfg.train.grad_accum, cfg.strategy.microbatches, cfg.strategy.pp_schedule,
-                     cfg.strategy.bucket_cap_mb, cfg.train.grad_clip is not None, anatomy.tokens_per_sample,
-                     cfg.strategy.sequence_parallel and d.tp > 1, cfg.strategy.pp_virtual_stages,
-                     space.expert_imbalance)
-    name = cfg.strategy.name if cfg.strategy.name in pure() else strategy_name(flavour, d)
+    own = own_setting(cfg, variants)
+    w = strategy_workload(anatomy.shape, own.activations, cfg.strategy, micro, cfg.train.grad_accum,
+                          anatomy.tokens_per_sample, cfg.train.grad_clip is not None, own.seconds_per_sample,
+                          space.expert_imbalance)
+    name = cfg.strategy.name if cfg.strategy.name in strategies.pure() else strategy_name(flavour, d)
     p = predict_layout(w, hw, flavour, d, memory_limit, overlap, 1.0 / own.seconds_per_sample, calibration, name)
     if p is None:
         return None
     return candidate_of(p, flavour, d, w, own, cfg.strategy.pp_schedule, cfg.strategy.bucket_cap_mb,
                       anatomy.flops_per_sample, dataclasses.replace(space, global_batch=cfg.train.global_batch),
                       command_prefix(cfg))
-
-
-def rejection_reasons(searched: Searched, best: Candidate | None, memory_limit: float, hw: Hardware,
-                      cfg: AdviceInputs, anatomy: Anatomy) -> list[str]:
-    """For each pure strategy, the ruler that decided against it (or that it is the choice)."""
-    reasons = []
-    pct = f"{cfg.plan.memory_fraction:.0%} of {hw.device_memory_bytes / GIB:.1f} GiB"
-    for name in pure():
-        own = [c for c in searched.ranked if c.strategy == name]
-        if not own:
-            reasons.append(f"{name}: {_why_absent(name, anatomy, cfg)}")
-            continue
-        top = own[0]
-        if best is not None and top is best:
-            continue
-        if not top.fits:
-            states = state_memory(anatomy.shape, top.flavour, top.degrees, top.precision).total
-            rest = top.memory_per_device_bytes - states
-            reasons.append(f"{name}: states {states / GIB:.1f} GiB + activations {rest / GIB:.1f} GiB per device "
-                           f"> {memory_limit / GIB:.1f} GiB ({pct}), even at micro-batch {top.micro_batch} in "
-                           f"{top.precision} with {top.activation_checkpointing} checkpointing: the memory ruler")
-            continue
-        if crosses_nodes(top, hw.devices_per_node):
-            reasons.append(f"{name}: {tier(top, hw)}: the bandwidth ruler ({top.tokens_per_s:.0f} tokens/s)")
-            continue
-        if best is not None:
-            reasons.append(f"{name}: fits ({top.memory_per_device_bytes / GIB:.1f} GiB) but predicted "
-                           f"{top.tokens_per_s:.0f} tokens/s, {top.tokens_per_s / best.tokens_per_s:.2f}x the "
-                           f"recommendation: {_what_costs(top, best)}")
-    return reasons
-
-
-def _what_costs(c: Candidate, best: Candidate) -> str:
-    """Which ruler a slower candidate loses by: exposed communication (bandwidth), the pipeline's
-    bubble, or compute (recomputation it needs to fit, or its overhead)."""
-    step, p = c.step_time_s, c.prediction
-    if p.bubble_s > 0.2 * step:
-        return f"the pipeline bubble ({100 * p.bubble_s / step:.0f} % of its step)"
-    if p.exposed_comm_s > 0.2 * step:
-        return f"the bandwidth ruler ({100 * p.exposed_comm_s / step:.0f} % of its step is exposed communication)"
-    if c.activation_checkpointing == "full" and best.activation_checkpointing == "none":
-        return "the memory ruler: it fits only with full checkpointing, whose recomputation costs compute"
-    return f"the compute ruler ({100 * (p.compute_s + p.overhead_s) / step:.0f} % of its step is compute and overhead)"
-
-
-def _why_absent(name: str, anatomy: Anatomy, cfg: AdviceInputs) -> str:
-    shape, degrees = anatomy.shape, strategies.get(name).degrees
-    if degrees["tp"] == -1:
-        if shape.block_linear_params == 0:
-            return "the model declares no tensor-parallel plan"
-        return f"tp={cfg.nodes * cfg.procs_per_node} does not divide its widths and heads {list(shape.tp_sizes)}"
-    if degrees["pp"] == -1:
-        if not shape.pipeline:
-            return "the model declares no pipeline layout"
-        return f"pp={cfg.nodes * cfg.procs_per_node} stages would exceed its {shape.layers} blocks"
-    if cfg.plan.strategies and name not in cfg.plan.strategies:
-        return "left out by plan.strategies"
-    return "no batch split of this world keeps the batch"
-
-
-TIER_TRAFFIC = {"tp": ("all_reduce", "4 all-reduces per layer"), "cp": ("all_gather", "K/V all-gathered per layer"),
-                "ep": ("all_to_all", "4 all-to-alls per MoE layer")}
-"""What each node-local degree sends per layer (training/planner/comm.py's comm_time), and its collective."""
-
-
-def tier(c: Candidate, hw: Hardware) -> str:
-    """What the candidate's TP and CP collectives cost on the tier they ride, against a node's
-    link: e.g. `tp=16 crosses nodes (16 ranks on 2 nodes): 4 all-reduces per layer at 61 µs and 370
-    GB/s per GPU, vs 13 µs and 450 GB/s inside a node`; the degrees that cross nodes, else tp."""
-    d = c.degrees
-    groups = {dim: group_of(d, dim, hw.devices_per_node) for dim in TIER_TRAFFIC if c.dims.get(dim, 1) > 1}
-    crossing = [dim for dim, g in groups.items() if g.nodes > 1] or ["tp"]
-    parts = []
-    for dim in crossing:
-        group = groups.get(dim) or group_of(d, dim, hw.devices_per_node)
-        collective, traffic = TIER_TRAFFIC[dim]
-        local = min(group.ranks, hw.devices_per_node)
-        across, inside = hw.link(collective, group), hw.link(collective, Group(local, local))
-        where = "crosses nodes" if group.nodes > 1 else "stays in one node"
-        parts.append(f"{dim}={c.dims.get(dim, 1)} {where} ({group.describe()}): {traffic} at "
-                     f"{across.alpha_at(group.ranks) * 1e6:.0f} µs and {across.busbw_gbps:.0f} GB/s per GPU, vs "
-                     f"{inside.alpha_at(inside.world) * 1e6:.0f} µs and {inside.busbw_gbps:.0f} GB/s inside a node")
-    return "; ".join(parts)
-
-
-def node_local_reason(best: Candidate | None, searched: Searched, hw: Hardware) -> str | None:
-    """Why a recommendation whose TP or CP group crosses nodes was kept: no node-local layout within
-    NODE_LOCAL of it (search.rank prefers one that is); None when it does not cross."""
-    if best is None or not crosses_nodes(best, hw.devices_per_node):
-        return None
-    local = next((c for c in searched.ranked if c.fits and not crosses_nodes(c, hw.devices_per_node)), None)
-    versus = (f"the best node-local layout, {local.strategy} {_short(local)}, is predicted "
-              f"{1 - local.tokens_per_s / best.tokens_per_s:.0%} slower" if local is not None else
-              "no node-local layout fits")
-    return f"tiers: {tier(best, hw)}; kept because {versus} (more than {NODE_LOCAL:.0%})"
-
-
-def expert_reason(best: Candidate | None, searched: Searched, hw: Hardware, shape: Shape,
-                  imbalance: tuple[tuple[int, float], ...]) -> str | None:
-    """For a mixture-of-experts model: the expert-parallel degree chosen and the ruler that decided,
-    against the best layout of the other kind (ep > 1 vs experts whole on every rank): the
-    all-to-all's bytes (balanced, 4 a layer: dispatch, combine and their gradients) and the
-    prediction's all-to-all time a step (the counts, recomputation and imbalance included) on the
-    tier its group rides, the experts' states per rank, and the
-    routing imbalance the prediction used. None for a dense model."""
-    if best is None or not shape.experts:
-        return None
-    ep = best.dims.get("ep", 1)
-    other = next((c for c in searched.ranked if c.fits and (c.dims.get("ep", 1) > 1) != (ep > 1)), None)
-    split = best if ep > 1 else other
-    if split is None:
-        return f"experts: ep=1, every rank holds all {max(shape.experts)} experts a layer; no expert-parallel layout fits"
-    d = split.degrees
-    group = group_of(d, "ep", hw.devices_per_node)
-    per_layer = 4 * all_to_all_bytes(shape, split.micro_batch * shape.seq_len, split.precision)
-    link = hw.link("all_to_all", group)
-    a2a_s = split.prediction.expert_parallel_s
-    states = state_memory(shape, split.flavour, d, split.precision).total
-    measured = dict(imbalance).get(d.ep)
-    skew = (f"routing imbalance {measured:.2f} measured at ep={d.ep}" if measured is not None
-            else "routing taken as balanced (no measured run of this model at that ep)")
-    facts = (f"ep={d.ep} ({group.describe()}): {max(shape.experts) // d.ep} of {max(shape.experts)} experts a layer "
-             f"per rank, states {states / GIB:.2f} GiB per device; all-to-all {per_layer / 1e6:.2f} MB a MoE "
-             f"layer per micro-batch at {link.busbw_gbps:.1f} GB/s, {a2a_s * 1e3:.2f} ms a step; {skew}")
-    if ep > 1:
-        versus = (f"predicted {best.tokens_per_s / other.tokens_per_s:.2f}x the best layout without it "
-                  f"({other.strategy} {_short(other)})" if other is not None else "no layout without it fits")
-        return f"experts: {facts}; {versus}"
-    return (f"experts: ep=1 (every rank holds every expert); the best expert-parallel layout, {split.strategy} "
-            f"{_short(split)}, is predicted {split.tokens_per_s / best.tokens_per_s:.2f}x: {facts}")
-
-
-def headline_reason(best: Candidate | None, searched: Searched, memory_limit: float, world: int) -> str:
-    if best is None or not best.fits:
-        return closest_miss(searched.ranked, memory_limit)
-    runner = next((c for c in searched.ranked if c is not best and c.fits), None)
-    versus = f" vs {runner.strategy} {runner.tokens_per_s:.0f}" if runner else ""
-    return (f"throughput: {best.strategy} {_short(best)} is the fastest that fits at {world} devices of "
-            f"{searched.evaluated} predictions: {best.tokens_per_s:.0f} tokens/s{versus}, "
-            f"efficiency {best.scaling_efficiency:.2f}, {best.memory_per_device_bytes / GIB:.2f} GiB per device")
-
-
-def _short(c: Candidate) -> str:
-    dims = " x ".join(f"{k}={v}" for k, v in c.dims.items() if v > 1)
-    return (f"({dims + ', ' if dims else ''}micro-batch {c.micro_batch} x {c.grad_accum}, {c.precision}, "
-            f"{c.activation_checkpointing} checkpointing)")
 
 
 def one_device(strategy: StrategyConfig) -> StrategyConfig:
@@ -326,3 +222,48 @@ def candidate_settings(c: Candidate, strategy: StrategyConfig, train: TrainConfi
     sized = dataclasses.replace(train, grad_accum=c.grad_accum,
                                 micro_batch=c.micro_batch if train.global_batch is None else train.micro_batch)
     return chosen, sized
+
+
+def predictions(cfg: PlanInputs, w: Workload, hw: Hardware, world: int,
+                calibration: Calibration | None = None) -> list[Prediction]:
+    """The pure strategies' scaling curves: each at 1, 2, 4 ... plan.max_devices and the run's world."""
+    limit = memory_limit(cfg, hw)
+    share = overlap(cfg, hw)
+    base = predict(w, hw, "ddp", 1, float("inf"), share, 1.0, calibration)
+    single = base.samples_per_s
+    out = []
+    for devices in device_counts(cfg.plan.max_devices, world):
+        if devices > 1 and not (hw.intra or hw.inter):
+            continue  # no bandwidth measured: nothing to predict beyond one device
+        for strategy in [s for s in strategies.pure() if not cfg.plan.strategies or s in cfg.plan.strategies]:
+            p = predict(w, hw, strategy, devices, limit, share, single, calibration)
+            if p is not None:
+                out.append(p)
+    return out
+
+
+def advise_plan(cfg: PlanInputs, anatomy: Anatomy, costs: list, hw: Hardware, w: Workload,
+                calibration: Calibration | None) -> tuple[dict, list[str]]:
+    """The search and the reasons: the plan's advice, as fields of its result."""
+    world = cfg.nodes * cfg.procs_per_node
+    limit = memory_limit(cfg, hw)
+    searched, requested, variants = advise(cfg, anatomy, costs, hw, limit, overlap(cfg, hw), calibration,
+                                           w.expert_imbalance)
+    best = searched.ranked[0] if searched.ranked else None
+    best = best if best is not None and best.fits else None
+    reasons = [headline_reason(best, searched, limit, world)]
+    tiers = node_local_reason(best, searched, hw)
+    reasons += [tiers] if tiers is not None else []
+    experts = expert_reason(best, searched, hw, anatomy.shape, w.expert_imbalance)
+    reasons += [experts] if experts is not None else []
+    reasons += rejection_reasons(searched, best, limit, hw, cfg, anatomy)
+    if requested is not None and best is not None:
+        reasons.append(f"requested: {requested.strategy} predicted {requested.tokens_per_s:.0f} tokens/s, "
+                       f"{requested.tokens_per_s / best.tokens_per_s:.2f}x the recommendation"
+                       + ("" if requested.fits else ", and it does not fit"))
+    recommended = best or (searched.ranked[0] if searched.ranked else None)
+    fields = {"recommended": recommended, "requested": requested, "candidates": searched.ranked[:10],
+              "layouts": searched.best_per_layout(10),
+              "evaluated": searched.evaluated, "variants": variants,
+              "predictions": predictions(cfg, w, hw, world, calibration)}
+    return fields, reasons

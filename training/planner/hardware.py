@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from training.planner.comm import Group, Link
+from training.planner.comm import Group, Link, fit_link
+
+if TYPE_CHECKING:
+    from training.collectives import Measurement
 from training.shared_cores import SharedCores, time_share
 
 
@@ -102,3 +106,19 @@ class Hardware:
 def _pick(links: dict[str, Link], collective: str) -> Link | None:
     """The fit for `collective`, else all_reduce's (the one every probe and preset has)."""
     return links.get(collective) or links.get("all_reduce")
+
+
+def measured_links(results: list[Measurement], world: int) -> dict[str, Link]:
+    """An α–β fit per collective the probe measured (at `world` ranks: the size of its groups)."""
+    links = {}
+    for name in sorted({m.collective for m in results}):
+        points = [(m.bytes, m.time_us * 1e-6) for m in results if m.collective == name]
+        if len(points) >= 2:
+            links[name] = fit_link(points, name, world)
+    return links
+
+
+def preset_links(gbps: float, latency_us: float, world: int) -> dict[str, Link]:
+    """A preset's published small-message latency is nccl-tests' at a full node (intra) or two
+    nodes (inter): the `world` the ring latency is scaled from."""
+    return {"all_reduce": Link(alpha_s=latency_us * 1e-6, busbw_gbps=gbps, world=world)}

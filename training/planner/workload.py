@@ -82,14 +82,17 @@ class Workload:
 
 
 def strategy_workload(shape: Shape, activations: Activations, strategy: StrategyConfig, micro_batch: int,
-                      grad_accum: int, tokens_per_sample: int, clip: bool) -> Workload:
+                      grad_accum: int, tokens_per_sample: int, clip: bool, seconds_per_sample: float | None = None,
+                      expert_imbalance: tuple[tuple[int, float], ...] = ()) -> Workload:
     """The Workload of a run of `strategy` (its precision, checkpointing, pipeline schedule,
-    sequence parallelism and DDP buckets): the plan's own run and a fit's, built the one way."""
+    sequence parallelism and DDP buckets), built the one way for the plan's own run, the advice's
+    requested layout and a fit (the search builds its points' from theirs: Variant.workload)."""
     return Workload(shape=shape, micro_batch=micro_batch, grad_accum=grad_accum, microbatches=strategy.microbatches,
                     precision=strategy.precision, checkpointing=strategy.activation_checkpointing,
                     tokens_per_sample=tokens_per_sample, activations=activations,
-                    bucket_cap_bytes=strategy.bucket_cap_mb * 1024**2, clip=clip, pp_schedule=strategy.pp_schedule,
-                    sequence_parallel=strategy.sequence_parallel, pp_virtual_stages=strategy.pp_virtual_stages)
+                    bucket_cap_bytes=strategy.bucket_cap_mb * 1024**2, seconds_per_sample=seconds_per_sample,
+                    clip=clip, pp_schedule=strategy.pp_schedule, sequence_parallel=strategy.sequence_parallel,
+                    pp_virtual_stages=strategy.pp_virtual_stages, expert_imbalance=expert_imbalance)
 
 
 def feasible(shape: Shape, d: ParallelDims, w: Workload) -> bool:

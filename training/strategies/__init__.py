@@ -14,6 +14,7 @@ from training.strategies.base import (
     from_plan,
     get,
     names,
+    pure,
     register,
 )
 
@@ -23,4 +24,4 @@ for _module in BUILTIN:
     importlib.import_module(f"training.strategies.{_module}")
 
 __all__ = ["BUILTIN", "REGISTRY", "Strategy", "any_layout", "flavour_of", "flavours", "from_plan", "get", "names",
-           "register"]
+           "pure", "register"]

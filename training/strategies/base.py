@@ -111,6 +111,12 @@ def flavours() -> list[Strategy]:
     return sorted((s for s in REGISTRY.values() if s.is_flavour), key=lambda s: s.simplicity)
 
 
+def pure() -> list[str]:
+    """The strategies drawn as the plan's scaling curves and explained one by one, in the registry's
+    order (the order of the plan's tables)."""
+    return [s.name for s in REGISTRY.values() if s.pure]
+
+
 def flavour_of(strategy: StrategyConfig, d: ParallelDims) -> str:
     """The data-parallel flavour a configured strategy trains with (what the cost model charges):
     its own when it is one; else by its degrees, FSDP's (resharding or not) when it shards, the
