@@ -32,7 +32,8 @@ EXIT_CODES: list[int] = []
 def app(dcfg: DictConfig) -> None:
     from hydra.types import RunMode
 
-    from pipelines.runner import run_pipeline, summary_table
+    from pipelines.outcome import summary_table
+    from pipelines.runner import run_pipeline
     from pipelines.study import study_id_for
 
     try:
@@ -59,7 +60,7 @@ def app(dcfg: DictConfig) -> None:
             EXIT_CODES.append(0)
             return
         if isinstance(cfg.launcher, SlurmLauncherConfig) and cfg.launcher.dry_run:
-            from pipelines.launchers.slurm import DRY_RUN_FILE, render_dry_run
+            from pipelines.launchers.slurm_commands import DRY_RUN_FILE, render_dry_run
 
             print(render_dry_run(cfg, output_dir), end="")
             print(f"launcher.dry_run: nothing submitted; the script is {output_dir / 'slurm' / DRY_RUN_FILE}")

@@ -11,7 +11,6 @@ import importlib
 import json
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -25,15 +24,16 @@ from pipelines.deferred import QUEUE, DeferredTracker, defers
 from pipelines.launchers import Launcher, StageFailed, Task, WorldSpec, make_launcher
 from pipelines.launchers.worker import clear_peak_memory, peak_memory, run_task
 from pipelines.mlflow_ui import invocation_run_name, study_reading_run_name, training_data
+from pipelines.outcome import Outcome, Summary
 from pipelines.placement import Placement, diff, from_json, placement_tags, to_json
 from pipelines.progress import StageProgress, progress_file
 from pipelines.redact import redact_mapping, redact_text, redact_tree
+from pipelines.run_facts import run_facts
 from pipelines.schema import Config
 from pipelines.summary import SUMMARY_VERSION, SkipReason
 from pipelines.tracking import (
     SUMMARY_ARTIFACT,
     HasChildRuns,
-    HasHeadline,
     HasMetrics,
     Tracker,
     git_commit,
@@ -43,63 +43,6 @@ from pipelines.validate import check_placement, keep_contract_facts
 from training.units import GIB
 
 SUMMARY = SUMMARY_ARTIFACT  # the run dir's file is the one logged at the root of its MLflow run
-
-
-@dataclass
-class Outcome:
-    status: str
-    """ran | cached | failed | skipped"""
-    seconds: float = 0.0
-    key: str | None = None
-    error: str | None = None
-    result: Any = None
-    baseline: dict[str, Any] | None = None
-    entry: Entry | None = field(default=None, repr=False)
-    """The cache entry behind a ran or cached outcome (its metrics and artifacts are logged)."""
-    placement: dict[str, Any] | None = None
-    """Where a worker stage's result was measured (Placement.describe); None for driver stages."""
-    reason: SkipReason | None = None
-    """Why a skipped stage was skipped by choice (only=[...], its `when` key); None otherwise."""
-    peak_memory_bytes: int | None = None
-    """The highest peak device memory of its ranks (pipelines.summary.StageRecord)."""
-
-    @property
-    def measured_by(self) -> dict[str, Any] | None:
-        """For a cached outcome: the invocation that measured it (run dir, MLflow run, placement)."""
-        if self.status != "cached" or self.entry is None:
-            return None
-        return self.entry.origin
-
-    def as_json(self, fn: str) -> dict[str, Any]:
-        """Its entry in summary.json (pipelines.summary.StageRecord); `fn` types its result."""
-        data = {
-            "status": self.status,
-            "reason": self.reason,
-            "seconds": round(self.seconds, 3),
-            "key": self.key,
-            "error": redact_text(self.error) if self.error else None,
-            "fn": fn,
-            "result": to_jsonable(self.result) if self.result is not None else None,
-            "peak_memory_bytes": self.peak_memory_bytes,
-        }
-        if self.baseline is not None:
-            data["baseline"] = self.baseline
-        if self.placement is not None:
-            data["placement"] = self.placement
-        if self.measured_by is not None:
-            data["measured_by"] = self.measured_by
-        return data
-
-
-@dataclass
-class Summary:
-    stages: dict[str, Outcome] = field(default_factory=dict)
-    mlflow_run_id: str | None = None
-    path: Path | None = None
-
-    @property
-    def ok(self) -> bool:
-        return all(o.status in ("ran", "cached") or o.reason is not None for o in self.stages.values())
 
 
 NOT_SELECTED = "not selected by only=[...]"
@@ -132,7 +75,7 @@ class Runner:
                     summary.stages[name] = Outcome("skipped", error=NOT_SELECTED, reason=SkipReason.NOT_SELECTED)
                     continue
                 blocked = [u for u in stage.upstream
-                           if summary.stages[u].status in ("failed", "skipped") and not _not_asked(summary.stages[u])]
+                           if summary.stages[u].status in ("failed", "skipped") and not summary.stages[u].not_asked]
                 off = self._switched_off(stage)
                 if off is not None:
                     outcome = Outcome("skipped", error=off, reason=SkipReason.NOT_ASKED)
@@ -145,7 +88,7 @@ class Runner:
                 self._log(stage, outcome)
                 if not stage.spec.cache and outcome.entry is not None:
                     self.cache.discard(outcome.entry.artifacts.parent)
-                self.echo(f"[{index}/{len(self.dag.order)}] {name}: {_describe(outcome)}")
+                self.echo(f"[{index}/{len(self.dag.order)}] {name}: {outcome.describe()}")
         except KeyboardInterrupt:
             running = next((n for n in self.dag.order if n not in summary.stages), None)
             if running:
@@ -384,69 +327,11 @@ class Runner:
         self.tracker.finish(summary.ok, [path])
 
 
-def _not_asked(outcome: Outcome) -> bool:
-    return outcome.reason is SkipReason.NOT_ASKED
-
-
 def _copy_tree(src: Path, dst: Path) -> None:
     import shutil
 
     if src.is_dir():
         shutil.copytree(src, dst, dirs_exist_ok=True)
-
-
-def _describe(outcome: Outcome) -> str:
-    text = f"{outcome.status} in {outcome.seconds:.1f} s"
-    if outcome.baseline:
-        text += f" (1-device baseline {outcome.baseline['status']})"
-    if outcome.error:
-        text += f": {outcome.error}"
-    return text
-
-
-def global_batch(cfg: Config) -> int:
-    """Samples per optimizer step of the scaled run: micro-batch x grad_accum x data-parallel size."""
-    from training.parallel.dims import resolve_dims
-
-    dp = resolve_dims(cfg.strategy, cfg.nodes * cfg.procs_per_node).dp_size
-    return cfg.train.micro_batch_for(dp) * cfg.train.grad_accum * dp
-
-
-def requested_layout(cfg: Config) -> str:
-    """What this invocation asked to train: its degrees, micro-batch x accumulation, precision and
-    checkpointing, or `auto` (the plan's recommendation, measured by trials when plan.trials > 0)."""
-    from training.parallel.dims import resolve_dims
-    from training.planner.search import setting_label
-
-    if cfg.strategy.from_plan:
-        name = cfg.strategy.name
-        return f"{name}, {cfg.plan.trials} trials" if cfg.plan.trials else name
-    dims = resolve_dims(cfg.strategy, cfg.nodes * cfg.procs_per_node)
-    s = cfg.strategy
-    return setting_label(dataclasses.asdict(dims), cfg.train.micro_batch_for(dims.dp_size),
-                         cfg.train.grad_accum, s.precision, s.activation_checkpointing)
-
-
-def run_facts(cfg: Config, placement: Placement | None = None) -> dict[str, Any]:
-    """What this invocation was, for summary.json's `run` block and a study's rows."""
-    return {
-        "study": cfg.study,
-        "pipeline": cfg.pipeline.name,
-        "strategy": cfg.strategy.name,
-        "layout": requested_layout(cfg),
-        "nodes": cfg.nodes,
-        "procs_per_node": cfg.procs_per_node,
-        "world_size": cfg.nodes * cfg.procs_per_node,
-        "global_batch": global_batch(cfg),
-        "model": cfg.model.name,
-        "data": cfg.data.name,
-        "cluster": cfg.cluster.name,
-        "launcher": cfg.launcher.name,
-        # Where its measurements were made: the same sweep on two clusters is two variants.
-        "placement": None if placement is None else f"{placement.launcher}@{placement.fingerprint[:12]}",
-        "seed": cfg.seed,
-        "finished_at": round(time.time(), 3),
-    }
 
 
 def run_pipeline(cfg: Config, run_dir: Path, echo=print) -> Summary:
@@ -501,20 +386,3 @@ def run_pipeline(cfg: Config, run_dir: Path, echo=print) -> Summary:
         return Runner(cfg, run_dir, tracker, launcher, echo).run()
     finally:
         launcher.close()
-
-
-def summary_table(summary: Summary) -> str:
-    """The closing table: one row per stage with its status, time and headline numbers."""
-    rows = [("stage", "status", "seconds", "result")]
-    for name, outcome in summary.stages.items():
-        if isinstance(outcome.result, HasHeadline):
-            text = outcome.result.headline()
-        else:
-            # The full error (a job's stderr tail, say) was printed when the stage failed;
-            # a table row holds its first line.
-            text = (outcome.error or "").strip().split("\n", 1)[0]
-        rows.append((name, outcome.status, f"{outcome.seconds:.1f}", text))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}" for r in rows]
-    lines.insert(1, "-" * max(len(line) for line in lines))
-    return "\n".join(lines)

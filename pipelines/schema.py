@@ -11,20 +11,11 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
-from common.errors import ConfigError
+from common.errors import ConfigError, one_of
 from pipelines.configtools import Tagged, hydra_schema
 from pipelines.redact import redact_mapping, redact_text
-from training.config import (
-    BandwidthConfig,
-    ClusterConfig,
-    DataConfig,
-    EnvConfig,
-    LrFindConfig,
-    ModelConfig,
-    PlanConfig,
-    StrategyConfig,
-    TrainConfig,
-)
+from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig
+from training.plan_config import BandwidthConfig, ClusterConfig, EnvConfig, LrFindConfig, PlanConfig
 
 RESOURCES = ("driver", "one_device", "world")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -69,8 +60,7 @@ class StageSpec:
     def __post_init__(self) -> None:
         if ":" not in self.fn:
             raise ConfigError("fn", self.fn, "must be 'module:function', e.g. stages.train:run")
-        if self.resources not in RESOURCES:
-            raise ConfigError("resources", self.resources, f"must be one of {', '.join(RESOURCES)}")
+        one_of("resources", self.resources, RESOURCES)
         if self.baseline and self.resources != "world":
             raise ConfigError("baseline", self.baseline, "only a resources=world stage can have a baseline")
 
@@ -116,10 +106,8 @@ class LauncherConfig(Tagged):
         return [self.name]
 
     def __post_init__(self) -> None:
-        if self.name not in LAUNCHER_SCHEMAS:
-            raise ConfigError("name", self.name, f"must be one of {', '.join(LAUNCHER_SCHEMAS)}")
-        if self.backend not in BACKENDS:
-            raise ConfigError("backend", self.backend, f"must be one of {', '.join(BACKENDS)}")
+        one_of("name", self.name, LAUNCHER_SCHEMAS)
+        one_of("backend", self.backend, BACKENDS)
         if self.timeout_s <= 0:
             raise ConfigError("timeout_s", self.timeout_s, "must be a number of seconds > 0")
         if self.grace_s < 0:
@@ -256,8 +244,7 @@ class TrackingConfig:
     """MLflow experiment name."""
 
     def __post_init__(self) -> None:
-        if self.name not in TRACKERS:
-            raise ConfigError("name", self.name, f"must be one of {', '.join(TRACKERS)}")
+        one_of("name", self.name, TRACKERS)
         if self.name == "mlflow" and not self.uri:
             raise ConfigError("uri", self.uri, "must be an MLflow tracking URI, e.g. sqlite:///outputs/mlflow.db")
         if self.name == "mlflow" and not self.experiment:

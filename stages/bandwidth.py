@@ -24,8 +24,8 @@ from typing import Any
 
 from stages.common import log, progress
 from training.collectives import Measurement, element_count, message_sizes, probe
-from training.config import BandwidthConfig
 from training.dist import backend, device, is_main, world_size
+from training.plan_config import BandwidthConfig
 from training.shared_cores import SharedCores
 from training.shared_cores import measure as measure_shared_cores
 

@@ -13,7 +13,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from training.config import EnvConfig
 from training.dist import gather_objects
 from training.envinfo import (
     GIB,
@@ -24,6 +23,7 @@ from training.envinfo import (
     find_mismatches,
     mismatch_table,
 )
+from training.plan_config import EnvConfig
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from stages.common import log, progress, workbench
-from training.config import DataConfig, LrFindConfig, ModelConfig, StrategyConfig
+from training.config import DataConfig, ModelConfig, StrategyConfig
 from training.dist import all_reduce_sum, world_size
 from training.lr_finder import scale_lr
 from training.parallel.dims import resolve_dims
+from training.plan_config import LrFindConfig
 from training.planner.fit import SHARDED
 
 

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING
 from stages.common import log, progress
 from stages.lr_find import LrFindResult
 from stages.plan import PlanResult
-from training.config import DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
+from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig
 from training.isolation import run_isolated
+from training.plan_config import PlanConfig
 from training.planner.advice import candidate_settings
 from training.planner.calibration import Calibration, MeasuredStep, fit_calibration
 from training.planner.search import Candidate, dims_label

@@ -1,7 +1,7 @@
-"""What the stages train and measure with: one frozen dataclass per config group.
+"""What the stages train with: one frozen dataclass per config group.
 
-These are the schemas of the `model`, `data`, `strategy`, `train`, `lr_find`, `bandwidth`,
-`plan` and `env` config groups. Each field is documented by the docstring under it. Checks that
+These are the schemas of the `model`, `data`, `strategy` and `train` config groups (those that
+measure and plan, `lr_find`, `bandwidth`, `plan`, `cluster` and `env`: training/plan_config.py). Each field is documented by the docstring under it. Checks that
 need only the field itself live in `__post_init__` and raise `ConfigError`, which the engine
 turns into one sentence naming the full key (`train.steps=0: ...`).
 """
@@ -11,20 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.errors import ConfigError
+from common.errors import ConfigError, at_least, one_of
 from training import strategies
 from training.parallel.schedules import PP_SCHEDULES, virtual_stages_problem
-
-
-def _at_least(key: str, value: int | float | None, low: float, what: str = "an integer") -> None:
-    if value is not None and value < low:
-        raise ConfigError(key, value, f"must be {what} >= {low:g}")
-
-
-def _one_of(key: str, value: str, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise ConfigError(key, value, f"must be one of {', '.join(options)}")
-
 
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 AC_MODES = ("none", "selective", "full")
@@ -32,9 +21,6 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 WHATIF_PRECISIONS = ("fp8",)
 """Precisions only a what-if plan of a described cluster predicts: nothing trains in them here."""
 SCHEDULES = ("cosine", "constant")
-SUGGESTION_RULES = ("steepest", "min_div_10")
-LR_SCALING_RULES = ("linear", "sqrt", "none")
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
 
 TARGET_KEY = "_target_"
@@ -115,11 +101,11 @@ class ModelConfig(TargetConfig):
     def __post_init__(self) -> None:
         _check_target(TARGET_KEY, self.target)
         for pattern, style in (self.tp_plan or {}).items():
-            _one_of(f"tp_plan.{pattern}", style, TP_STYLES)
+            one_of(f"tp_plan.{pattern}", style, TP_STYLES)
         for pattern, style in (self.sp_plan or {}).items():
-            _one_of(f"sp_plan.{pattern}", style, (SP_STYLE,))
+            one_of(f"sp_plan.{pattern}", style, (SP_STYLE,))
         for pattern, role in (self.ep_plan or {}).items():
-            _one_of(f"ep_plan.{pattern}", role, EP_ROLES)
+            one_of(f"ep_plan.{pattern}", role, EP_ROLES)
 
 
 @dataclass(frozen=True)
@@ -138,7 +124,7 @@ class DataConfig(TargetConfig):
 
     def __post_init__(self) -> None:
         _check_target(TARGET_KEY, self.target)
-        _at_least("num_workers", self.num_workers, 0)
+        at_least("num_workers", self.num_workers, 0)
 
 
 @dataclass(frozen=True)
@@ -192,21 +178,21 @@ class StrategyConfig:
     """DDP/zero1: time each gradient bucket's all-reduce through a comm hook and log it."""
 
     def __post_init__(self) -> None:
-        _one_of("name", self.name, strategies.names())
+        one_of("name", self.name, strategies.names())
         for key in (*DEGREES, "cp"):
             value = getattr(self, key)
             if value is not None and (value == 0 or value < -1):
                 raise ConfigError(key, value, "must be >= 1, -1 (the leftover ranks) or null (the preset)")
-        _at_least("ep", self.ep, 1)
-        _at_least("microbatches", self.microbatches, 1)
-        _one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES)
-        _at_least("pp_virtual_stages", self.pp_virtual_stages, 1)
+        at_least("ep", self.ep, 1)
+        at_least("microbatches", self.microbatches, 1)
+        one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        at_least("pp_virtual_stages", self.pp_virtual_stages, 1)
         problem = virtual_stages_problem(self.pp_schedule, self.pp_virtual_stages)
         if problem is not None:
             raise ConfigError("pp_virtual_stages", self.pp_virtual_stages, problem)
-        _one_of("activation_checkpointing", self.activation_checkpointing, AC_MODES)
-        _one_of("precision", self.precision, PRECISIONS)
-        _at_least("bucket_cap_mb", self.bucket_cap_mb, 1e-3, "a number")
+        one_of("activation_checkpointing", self.activation_checkpointing, AC_MODES)
+        one_of("precision", self.precision, PRECISIONS)
+        at_least("bucket_cap_mb", self.bucket_cap_mb, 1e-3, "a number")
 
     def degrees(self) -> dict[str, int]:
         """dp_replicate, dp_shard, tp, pp: the explicit ones, else the strategy's preset (cp apart,
@@ -280,16 +266,16 @@ class TrainConfig:
     0 disables."""
 
     def __post_init__(self) -> None:
-        _at_least("system_metrics_s", self.system_metrics_s, 0, "a number")
+        at_least("system_metrics_s", self.system_metrics_s, 0, "a number")
         for key in ("steps", "micro_batch", "grad_accum", "log_every"):
-            _at_least(key, getattr(self, key), 1)
-        _at_least("global_batch", self.global_batch, 1)
+            at_least(key, getattr(self, key), 1)
+        at_least("global_batch", self.global_batch, 1)
         for key in ("warmup_steps", "timing_warmup", "ckpt_every", "profile_steps"):
-            _at_least(key, getattr(self, key), 0)
+            at_least(key, getattr(self, key), 0)
         if self.lr is not None and self.lr <= 0:
             raise ConfigError("lr", self.lr, "must be a number > 0, or null to use lr_find's LR")
-        _at_least("weight_decay", self.weight_decay, 0, "a number")
-        _one_of("schedule", self.schedule, SCHEDULES)
+        at_least("weight_decay", self.weight_decay, 0, "a number")
+        one_of("schedule", self.schedule, SCHEDULES)
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ConfigError("grad_clip", self.grad_clip, "must be > 0, or null to disable")
         if self.timing_warmup >= self.steps:
@@ -308,194 +294,3 @@ class TrainConfig:
         return per_rank
 
 
-@dataclass(frozen=True)
-class LrFindConfig:
-    min_lr: float = 1e-5
-    """First LR of the exponential ramp."""
-    max_lr: float = 1.0
-    """Last LR of the ramp."""
-    num_iters: int = 100
-    """Steps of the ramp (fewer if the loss diverges first)."""
-    batch: int | None = None
-    """Samples per finder step; null uses train.micro_batch."""
-    beta: float = 0.9
-    """EMA smoothing of the loss (bias-corrected). Its lag is ~1/(1-beta) iterations: 0.98 over a
-    100-step ramp would trail the real curve by half the LR range and push the suggestion late."""
-    diverge_threshold: float = 4.0
-    """Stop when the smoothed loss exceeds this multiple of the best seen."""
-    suggestion: str = "steepest"
-    """`steepest`: LR of the steepest descent of the smoothed loss against log-LR;
-    `min_div_10`: a tenth of the LR at the minimum smoothed loss."""
-    lr_scaling: str = "linear"
-    """Rule from the finder's batch to the run's global batch: `linear`, `sqrt` or `none`."""
-
-    def __post_init__(self) -> None:
-        if self.min_lr <= 0:
-            raise ConfigError("min_lr", self.min_lr, "must be > 0")
-        if self.max_lr <= self.min_lr:
-            raise ConfigError("max_lr", self.max_lr, f"must be > min_lr={self.min_lr}")
-        _at_least("num_iters", self.num_iters, 5)
-        _at_least("batch", self.batch, 1)
-        if not 0 <= self.beta < 1:
-            raise ConfigError("beta", self.beta, "must be in [0, 1)")
-        if self.diverge_threshold <= 1:
-            raise ConfigError("diverge_threshold", self.diverge_threshold, "must be > 1")
-        _one_of("suggestion", self.suggestion, SUGGESTION_RULES)
-        _one_of("lr_scaling", self.lr_scaling, LR_SCALING_RULES)
-
-
-@dataclass(frozen=True)
-class BandwidthConfig:
-    collectives: list[str] = field(default_factory=lambda: list(COLLECTIVES))
-    """Collectives to probe, nccl-tests style."""
-    min_bytes: int = 8
-    """Smallest message size in bytes."""
-    max_bytes: int = 64 * 1024 * 1024
-    """Largest message size in bytes; the verdict is taken here."""
-    factor: int = 4
-    """Each size is the previous one times this."""
-    warmup_iters: int = 5
-    """Untimed iterations per size (nccl-tests: 5)."""
-    iters: int = 20
-    """Timed iterations per size (nccl-tests: 20)."""
-    ruler_gbps: float = 20.0
-    """The bandwidth ruler: all_reduce busbw at the largest size below this keeps data parallelism
-    within a few devices."""
-    shared_cores: bool = True
-    """CPU ranks: also measure what every rank working at once costs each (training/shared_cores.py,
-    3-10 s on 2 cores); off, the plan time-shares the cores by threads x ranks / cores alone."""
-
-    def __post_init__(self) -> None:
-        if not self.collectives:
-            raise ConfigError("collectives", self.collectives, f"must name at least one of {', '.join(COLLECTIVES)}")
-        for name in self.collectives:
-            _one_of("collectives", name, COLLECTIVES)
-        _at_least("min_bytes", self.min_bytes, 4)
-        if self.max_bytes < self.min_bytes:
-            raise ConfigError("max_bytes", self.max_bytes, f"must be >= min_bytes={self.min_bytes}")
-        if self.max_bytes > 16 * 1024**3:
-            raise ConfigError("max_bytes", self.max_bytes, "must be <= 16 GiB")
-        _at_least("factor", self.factor, 2)
-        _at_least("warmup_iters", self.warmup_iters, 0)
-        _at_least("iters", self.iters, 1)
-        if self.ruler_gbps <= 0:
-            raise ConfigError("ruler_gbps", self.ruler_gbps, "must be > 0")
-
-
-@dataclass(frozen=True)
-class PlanConfig:
-    memory_fraction: float = 0.7
-    """The memory ruler: a strategy fits when its peak is below this fraction of device memory."""
-    device_memory_bytes: int | None = None
-    """Memory of one device; null measures it (CUDA: total device memory; CPU: host memory
-    divided by the ranks per node)."""
-    max_dp_low_bandwidth: int = 8
-    """With busbw below the ruler, keep data parallelism within this many devices."""
-    max_devices: int = 1024
-    """Predict step time and efficiency for 1, 2, 4 ... up to this many devices."""
-    overlap: float | None = None
-    """Fraction of the backward pass that data-parallel communication can hide behind; null: 1 on
-    GPUs (NCCL runs on its own stream beside the backward), 0 on CPU hosts (gloo's all-reduce needs
-    the same cores the backward does, so nothing hides)."""
-    strategies: list[str] | None = None
-    """Only recommend these (among ddp, zero1, zero2, zero3, tp, pp, hybrid); null: every layout the
-    model allows. The scaling curves are drawn for the pure ones among them."""
-    precisions: list[str] | None = None
-    """Precisions the search may choose; null: the run's own, and bf16 where the devices support it
-    (a described GPU cluster; a measured cluster is planned in the precision it was measured in)."""
-    trials: int = 0
-    """Measure the best this many layouts (each at its best predicted setting) with short real runs
-    on the current launcher (the trials stage) and recommend the fastest measured; 0: the cost
-    model decides alone."""
-    trial_steps: int = 10
-    """Optimizer steps of each trial, in each of its two rounds (the first two are warm-up, not timed)."""
-    calibrate: bool = False
-    """Refine the model's compute and communication terms from earlier runs of the same model and
-    batch on the same cluster and launcher, found in MLflow (a study's earlier points included)."""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.memory_fraction <= 1:
-            raise ConfigError("memory_fraction", self.memory_fraction, "must be in (0, 1]")
-        _at_least("device_memory_bytes", self.device_memory_bytes, 1)
-        _at_least("max_dp_low_bandwidth", self.max_dp_low_bandwidth, 1)
-        _at_least("max_devices", self.max_devices, 1)
-        if self.overlap is not None and not 0 <= self.overlap <= 1:
-            raise ConfigError("overlap", self.overlap, "must be in [0, 1]")
-        for name in self.strategies or []:
-            allowed = [n for n in strategies.names() if not strategies.from_plan(n)]
-            if name not in allowed:
-                raise ConfigError("strategies", name, f"must be among {', '.join(allowed)}")
-        for name in self.precisions or []:
-            _one_of("precisions", name, PRECISIONS)
-        _at_least("trials", self.trials, 0)
-        _at_least("trial_steps", self.trial_steps, 3)
-
-
-ACCELERATORS = ("cpu", "cuda")
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    name: str = "cpu-local"
-    """Preset name. `cpu-local` is this machine, measured by the probes; the others describe
-    hardware you don't have, for what-if plans, with each number's public source in its file."""
-    measured: bool = True
-    """True: take device memory, compute speed and link bandwidth from this run's measurements
-    (the plan and bandwidth stages); the numbers below are then ignored, but for
-    `device_memory_gib`, which is then each rank's budget."""
-    accelerator: str = "cpu"
-    """What a rank computes on: `cpu` (this machine's cores, gloo) or `cuda` (one GPU per rank).
-    On a measured cluster it is what the launcher asks for: launcher=slurm requests a GPU per rank
-    (`launcher.gpus_per_node` defaults to `procs_per_node`) only for `cuda`."""
-    devices_per_node: int = 1
-    """Devices (GPUs) per host; collectives within a node use the intra-node link."""
-    device_memory_gib: float | None = None
-    """Memory of one device. On a measured cluster (this machine's CPUs), each rank's device-memory
-    budget: a rank whose live tensor storage goes over it fails as CUDA's out-of-memory would
-    (training/budget.py); null: no budget."""
-    peak_flops: float | None = None
-    """Dense bf16 peak FLOP/s of one device (datasheet)."""
-    fp32_peak_flops: float | None = None
-    """Dense fp32 (TF32 on tensor cores) peak FLOP/s of one device; null: fp32 is not planned for."""
-    fp8_peak_flops: float | None = None
-    """Dense fp8 peak FLOP/s of one device, what strategy.precision=fp8's Float8 linears run at
-    (the rest of the step at `peak_flops`); null: the device has no fp8 tensor cores."""
-    achievable_mfu: float = 0.4
-    """Fraction of the peak a well-tuned transformer step reaches (what-if compute time)."""
-    intra_node_gbps: float | None = None
-    """Bus bandwidth of collectives inside a node (GB/s, nccl-tests busbw)."""
-    intra_node_latency_us: float | None = None
-    inter_node_gbps: float | None = None
-    """Bus bandwidth of collectives across nodes (GB/s)."""
-    inter_node_latency_us: float | None = None
-
-    def __post_init__(self) -> None:
-        _at_least("devices_per_node", self.devices_per_node, 1)
-        if self.accelerator not in ACCELERATORS:
-            raise ConfigError("accelerator", self.accelerator, f"must be one of {', '.join(ACCELERATORS)}")
-        if self.measured and self.device_memory_gib is not None and self.device_memory_gib <= 0:
-            raise ConfigError("device_memory_gib", self.device_memory_gib, "must be > 0 GiB, or null for no budget")
-        if not 0 < self.achievable_mfu <= 1:
-            raise ConfigError("achievable_mfu", self.achievable_mfu, "must be in (0, 1]")
-        if self.fp8_peak_flops is not None and self.fp8_peak_flops <= 0:
-            raise ConfigError("fp8_peak_flops", self.fp8_peak_flops, "must be > 0, or null (no fp8 tensor cores)")
-        if not self.measured:
-            for key in ("device_memory_gib", "peak_flops", "intra_node_gbps", "intra_node_latency_us",
-                        "inter_node_gbps", "inter_node_latency_us"):
-                value = getattr(self, key)
-                if value is None or value <= 0:
-                    raise ConfigError(key, value, f"cluster={self.name} describes hardware by its numbers: must be > 0")
-
-
-@dataclass(frozen=True)
-class EnvConfig:
-    require_cuda: bool = False
-    """Fail when a rank has no CUDA device."""
-    min_free_device_memory_gib: float = 0.0
-    """Fail when a rank's GPU has less free memory than this."""
-    require_active_ib: bool = True
-    """Fail when a node shows an InfiniBand port that is not Active (read with `ibstat`; nodes
-    without it are not checked). false: for hosts with ports left unplugged on purpose."""
-
-    def __post_init__(self) -> None:
-        _at_least("min_free_device_memory_gib", self.min_free_device_memory_gib, 0, "a number")

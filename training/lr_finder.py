@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from training.config import LR_SCALING_RULES, SUGGESTION_RULES
+from training.plan_config import LR_SCALING_RULES, SUGGESTION_RULES
 
 if TYPE_CHECKING:
     import torch

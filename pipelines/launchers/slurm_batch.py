@@ -21,7 +21,8 @@ from pathlib import Path
 
 from common.errors import ConfigError
 from pipelines.launchers.base import WorldSpec, worker_pythonpath
-from pipelines.launchers.slurm import ALLOCATION_ENV, node_share, requeue_trap, sbatch_options
+from pipelines.launchers.slurm import ALLOCATION_ENV
+from pipelines.launchers.slurm_commands import node_share, requeue_trap, sbatch_options
 from pipelines.paths import ROOT
 from pipelines.redact import redact_text
 from pipelines.schema import Config

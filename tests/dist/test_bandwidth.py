@@ -9,7 +9,7 @@ import pytest
 from stages.bandwidth import SKIPPED_WORLD_1, BandwidthInputs, BandwidthResult
 from tests.helpers import run_world
 from training.collectives import bus_factor
-from training.config import COLLECTIVES, BandwidthConfig
+from training.plan_config import COLLECTIVES, BandwidthConfig
 
 SIZES = [1024, 4096, 16384, 65536]
 

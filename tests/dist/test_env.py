@@ -12,7 +12,7 @@ from pipelines.configtools import from_dict, to_jsonable
 from pipelines.launchers.base import StageFailed
 from stages.env_check import EnvInputs, EnvResult, FleetMismatch, check_fleet, run
 from tests.helpers import run_world
-from training.config import EnvConfig
+from training.plan_config import EnvConfig
 from training.envinfo import collect_local
 
 

@@ -17,7 +17,8 @@ import pytest
 from stages.trials import TrialsInputs
 from tests.dist.test_strategies import DATA, GPT
 from tests.helpers import run_world
-from training.config import PlanConfig, StrategyConfig, TrainConfig
+from training.config import StrategyConfig, TrainConfig
+from training.plan_config import PlanConfig
 from training.planner.predict import Prediction
 from training.planner.search import Candidate
 

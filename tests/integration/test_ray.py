@@ -17,7 +17,8 @@ from pipelines.schema import RayLauncherConfig
 from stages.env_check import EnvInputs
 from tests.dist.test_strategies import TOL, train_inputs
 from tests.helpers import run_world
-from training.config import EnvConfig, StrategyConfig
+from training.config import StrategyConfig
+from training.plan_config import EnvConfig
 
 pytestmark = pytest.mark.slow
 

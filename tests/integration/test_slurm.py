@@ -21,7 +21,8 @@ from pipelines.launchers.local import LocalLauncher
 from pipelines.schema import LauncherConfig, SlurmLauncherConfig
 from tests.dist.test_strategies import TOL, train_inputs
 from tests.helpers import ON_CI, SLURM_UP, asked_statuses, need_slurm, slurm_problem
-from training.config import EnvConfig, StrategyConfig
+from training.config import StrategyConfig
+from training.plan_config import EnvConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBLEM = slurm_problem()
@@ -236,7 +237,8 @@ def test_a_killed_rank_fails_the_stage_at_once(tmp_path, slurm):
 def test_cpus_per_task_is_the_node_share_by_default(tmp_path):
     """launcher.cpus_per_task=null: each task gets its node's cores divided by the tasks per node
     (not one core per GPU rank), read from the partition as sinfo reports it."""
-    from pipelines.launchers.slurm import SlurmLauncher, sbatch_options
+    from pipelines.launchers.slurm import SlurmLauncher
+    from pipelines.launchers.slurm_commands import sbatch_options
 
     out = subprocess.run(["scontrol", "show", "node", "node1", "-o"], capture_output=True, text=True, check=True).stdout
     cores = int(re.search(r"CPUTot=(\d+)", out).group(1))

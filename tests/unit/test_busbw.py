@@ -10,7 +10,7 @@ import pytest
 from pipelines.configtools import from_dict, to_jsonable
 from stages.bandwidth import BandwidthResult, human_bytes, largest, verdict
 from training.collectives import Measurement, bus_factor, element_count, message_sizes
-from training.config import COLLECTIVES
+from training.plan_config import COLLECTIVES
 
 # Hand values of nccl-tests' factors: all_reduce 2(n-1)/n, the one-way collectives (n-1)/n, broadcast 1.
 FACTORS = {

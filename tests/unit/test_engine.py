@@ -128,7 +128,7 @@ def test_cache_entry_is_complete_or_absent(toy_cfg, tmp_path):
 
 
 def test_summary_table_holds_the_first_line_of_a_long_error():
-    from pipelines.runner import Outcome, Summary, summary_table
+    from pipelines.outcome import Outcome, Summary, summary_table
 
     tail = "\n".join(f"stderr line {i} " + "x" * 300 for i in range(20))
     summary = Summary(stages={

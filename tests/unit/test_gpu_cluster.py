@@ -39,7 +39,7 @@ def eight_gpus_per_node(monkeypatch):
     machine) that has no GPU at all."""
     nodes = SlurmNodes(cpus=128, gpus=8)
     monkeypatch.setattr("pipelines.launchers.resources.slurm_nodes", lambda partition: nodes)
-    monkeypatch.setattr("pipelines.launchers.slurm.slurm_nodes", lambda partition: nodes)
+    monkeypatch.setattr("pipelines.launchers.slurm_commands.slurm_nodes", lambda partition: nodes)
     monkeypatch.setattr("pipelines.launchers.resources.visible_gpus", lambda: 0)
 
 
@@ -58,7 +58,7 @@ def resolved(*overrides: str):
 
 
 def test_slurm_ranks_and_gpus_per_node_come_from_the_partition_not_the_driver(eight_gpus_per_node, tmp_path):
-    from pipelines.launchers.slurm import render_dry_run
+    from pipelines.launchers.slurm_commands import render_dry_run
 
     cfg = resolved("launcher=slurm", "cluster=gpu", "nodes=4", "tracking=none")
     assert cfg.procs_per_node == 8 and cfg.launcher.gpus_per_node == 8
@@ -70,7 +70,7 @@ def test_slurm_ranks_and_gpus_per_node_come_from_the_partition_not_the_driver(ei
 
 
 def test_slurm_on_a_gpu_cluster_asks_one_gpu_per_rank_and_binds_when_told(eight_gpus_per_node, tmp_path):
-    from pipelines.launchers.slurm import launcher_backend, render_dry_run
+    from pipelines.launchers.slurm_commands import launcher_backend, render_dry_run
 
     cfg = resolved("launcher=slurm", "cluster=gpu", "nodes=2", "procs_per_node=4", "launcher.gpu_bind=single:1",
                    "launcher.container_image='nvcr.io#nvidia/pytorch:25.01-py3'",
@@ -85,7 +85,7 @@ def test_slurm_on_a_gpu_cluster_asks_one_gpu_per_rank_and_binds_when_told(eight_
 
 
 def test_slurm_on_a_cpu_cluster_asks_no_gpus_and_resolves_gloo(eight_gpus_per_node):
-    from pipelines.launchers.slurm import launcher_backend
+    from pipelines.launchers.slurm_commands import launcher_backend
 
     cfg = resolved("launcher=slurm", "nodes=2", "tracking=none")
     assert cfg.procs_per_node == 1 and cfg.launcher.gpus_per_node == 0
@@ -192,8 +192,8 @@ def test_env_refuses_two_ranks_of_a_node_on_one_gpu_and_nccl_without_a_gpu():
 
 def test_env_fails_a_fleet_with_a_down_infiniband_port_in_its_table():
     from stages.env_check import FleetMismatch, check_fleet
-    from training.config import EnvConfig
     from training.envinfo import check_ports, collect_local, parse_ibstat
+    from training.plan_config import EnvConfig
 
     ibstat = ("CA 'mlx5_0'\n\tPort 1:\n\t\tState: Active\n\t\tRate: 400\n\t\tLink layer: InfiniBand\n"
               "CA 'mlx5_1'\n\tPort 1:\n\t\tState: Down\n\t\tRate: 10\n\t\tLink layer: InfiniBand\n")

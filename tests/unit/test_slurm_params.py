@@ -34,14 +34,14 @@ def check_golden(name: str, text: str, replacements: dict[str, str]) -> None:
 
 
 def test_the_allocation_script_matches_the_golden_file(tmp_path, monkeypatch):
-    from pipelines.launchers.slurm import allocation_script
+    from pipelines.launchers.slurm_commands import allocation_script
 
     script = allocation_script(CFG, WorldSpec(2, 4), tmp_path / "alloc")
     check_golden("slurm_allocation.sbatch", script, {str(tmp_path): "<RUN_DIR>"})
 
 
 def test_short_allocations_get_the_requeue_signal_inside_their_time_limit(tmp_path):
-    from pipelines.launchers.slurm import sbatch_options
+    from pipelines.launchers.slurm_commands import sbatch_options
 
     short = sbatch_options(SlurmLauncherConfig(timeout_min=1), WorldSpec(1, 1), "x", tmp_path / "log")
     assert "#SBATCH --signal=B:USR2@30" in short
@@ -61,7 +61,7 @@ def test_pipeline_job_is_the_allocation_with_the_driver_inside(tmp_path, monkeyp
 
 
 def test_srun_reports_name_the_ranks_and_how_they_ended():
-    from pipelines.launchers.slurm import ended_tasks
+    from pipelines.launchers.slurm_commands import ended_tasks
 
     stderr = ("srun: error: node1: task 0: Exited with exit code 1\nsrun: Terminating StepId=5.3\n"
               "srun: error: node2: tasks 1-2,4: Killed\nsrun: error: node2: task 3: Segmentation fault (core dumped)\n")
@@ -87,7 +87,7 @@ def test_the_allocation_holds_while_the_heartbeat_is_fresh_and_frees_itself_when
     import subprocess
     import time
 
-    from pipelines.launchers.slurm import HEARTBEAT_STALE_S, allocation_script
+    from pipelines.launchers.slurm_commands import HEARTBEAT_STALE_S, allocation_script
 
     folder = tmp_path / "alloc"
     folder.mkdir()

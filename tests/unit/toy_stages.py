@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.config import LrFindConfig, TrainConfig
+from training.config import TrainConfig
+from training.plan_config import LrFindConfig
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from training import strategies
-from training.config import ClusterConfig, DataConfig, ModelConfig, PlanConfig, StrategyConfig, TrainConfig
+from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig
 from training.parallel.dims import resolve_dims
+from training.plan_config import ClusterConfig, PlanConfig
 from training.planner.calibration import Calibration
 from training.planner.hardware import Hardware, preset_links
 from training.planner.predict import Prediction, device_counts, predict, predict_layout
