@@ -28,7 +28,7 @@ from typing import Any
 
 from stages.plan import PlanResult
 from training.planner.advice import PlanInputs
-from training.planner.search import Candidate, setting_label
+from training.planner.ranking import Candidate, setting_label
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = "model=gpt-7b"  # the built-in GPT factory; its shape set by the row

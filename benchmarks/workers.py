@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from stages.train import TrainInputs
 from stages.train import run as train_stage
+from training.contract.calls import build_model
 from training.data import GlobalBatches, build_dataset
 from training.dist import device, rank, synchronize, world_size
-from training.models import build_model
 
 
 def hand_written_loop(inputs: TrainInputs) -> float:

@@ -26,3 +26,8 @@ def one_of(key: str, value: object, options: tuple[str, ...] | list[str]) -> Non
     """`key` must be one of `options`."""
     if value not in options:
         raise ConfigError(key, value, f"must be one of {', '.join(options)}")
+
+
+class ContractError(ValueError):
+    """A model that does not declare what a strategy needs (training/contract/): the message says
+    what to declare."""

@@ -24,7 +24,7 @@ def requested_layout(cfg: Config) -> str:
     """What this invocation asked to train: its degrees, micro-batch x accumulation, precision and
     checkpointing, or `auto` (the plan's recommendation, measured by trials when plan.trials > 0)."""
     from training.parallel.dims import resolve_dims
-    from training.planner.search import setting_label
+    from training.planner.ranking import setting_label
 
     if cfg.strategy.from_plan:
         name = cfg.strategy.name

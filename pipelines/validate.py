@@ -2,7 +2,7 @@
 
 Single-field checks live in each dataclass's `__post_init__`; these need two fields at once, a fact
 of the machine (how many GPUs there are) or a fact of the user's model and data (what it declares,
-how many samples there are: training/contract.py, cached under the cache dir so that a re-run does
+how many samples there are: training/contract/check.py, cached under the cache dir so that a re-run does
 not build them again). All raise ConfigError: one sentence, the key, the value, what is allowed.
 """
 
@@ -20,7 +20,7 @@ from pipelines.cache import code_version, digest, targets_code
 from pipelines.configtools import from_dict, to_jsonable
 from pipelines.schema import Config
 from training.config import WHATIF_PRECISIONS
-from training.contract import ContractFacts
+from training.contract.check import ContractFacts
 from training.layout_checks import check_layout, check_microbatches
 from training.parallel.dims import ParallelDims, resolve_dims
 
@@ -193,10 +193,10 @@ def _contract_path(cfg: Config) -> Path:
 
 
 def contract_facts(cfg: Config) -> ContractFacts:
-    """The user's model and data checked (training/contract.py), or what this process or an
+    """The user's model and data checked (training/contract/check.py), or what this process or an
     earlier invocation learnt of the same model, data and code: the check builds both, which a
     re-run should not pay."""
-    from training.contract import describe
+    from training.contract.check import describe
 
     path = _contract_path(cfg)
     if path in _LEARNT:

@@ -98,7 +98,7 @@ def study_runs(summaries: list[RunSummary]) -> list[StudyRun]:
 
 def trained_layout(train: TrainResult) -> str:
     """The train result's layout in the words of the plan's candidates."""
-    from training.planner.search import setting_label
+    from training.planner.ranking import setting_label
 
     dims = {**dict(zip(DEGREES, train.dims, strict=True)), "cp": train.cp, "ep": train.ep}
     return setting_label(dims, train.micro_batch, train.grad_accum, train.precision, train.activation_checkpointing)

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.utils.data import Dataset
 
-    from training.models import LossFn
-    from training.models.spec import ModelSpec
+    from training.contract.calls import LossFn
+    from training.contract.spec import ModelSpec
 
 
 @dataclass
@@ -36,10 +36,10 @@ def workbench(model: ModelConfig, data: DataConfig, seed: int, tf32: bool = True
     shards it, then gives this rank its shard; nothing holds the whole model. On CUDA, fp32
     matmuls use TF32 unless `tf32` (train.tf32) is false."""
     from training.budget import host_side
+    from training.contract.calls import model_loss
     from training.data import build_dataset
     from training.dist import device
     from training.flops import set_tf32
-    from training.models import model_loss
     from training.parallel.materialize import build_on_device
 
     dev = device()

@@ -14,73 +14,32 @@ the model is counted on the meta device and the cluster is a preset.
 from __future__ import annotations
 
 import dataclasses
-import os
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from stages.bandwidth import BandwidthResult
-from stages.common import log, workbench
+from stages.common import log
 from stages.lr_find import LrFindResult
+from stages.rulers import Rulers, hardware, measure, meta_sample, ruler_reasons
 from training import strategies
-from training.config import StrategyConfig
 from training.memory import AuditRow
 from training.planner.advice import (
     PlanInputs,
     advise_plan,
-    budget_bytes,
     data_parallel_size,
-    described_hardware,
     own_setting,
     searched_variants,
     workload,
 )
 from training.planner.calibration import Calibration, MeasuredStep, fit_calibration, measured_imbalance
-from training.planner.hardware import Hardware, measured_links
 from training.planner.predict import Prediction
-from training.planner.search import Candidate, Variant, describe
+from training.planner.ranking import Candidate, describe
 from training.planner.shape import Activations, Anatomy
+from training.planner.space import Variant
 from training.units import GIB
 
-TIMED_STEPS = 5
-MAX_TIMED_STEPS = 50
-TIMED_BUDGET_S = 1.0
 # Goyal et al. (2017) saw the linear rule hold to 8k-sample ImageNet batches, ~32x their base.
 LINEAR_RULE_LIMIT = 32
-
-
-@dataclass(frozen=True)
-class Rulers:
-    anatomy: Anatomy
-    """The model measured from its module: shape, FLOPs, activations and positions per sample."""
-    params: int
-    param_bytes: int
-    grad_bytes: int
-    optim_bytes: int
-    activation_bytes: int
-    peak_memory_bytes: int
-    memory_source: str
-    device_memory_bytes: int
-    flops_per_sample: float
-    step_compute_s: float
-    """Median measured time of one micro-batch forward + backward + step on one device."""
-    strategy_overhead_s: dict[str, float]
-    """Per strategy: what its wrapper adds to that step, measured on a one-rank process group."""
-    overhead_not_measured: dict[str, str]
-    """Strategy -> why its overhead could not be measured (taken as none)."""
-    threads: int
-    """CPU threads the measurement ran with (the launcher gives every rank the same share)."""
-    busbw_gbps: float | None
-    """Measured all_reduce busbw at the probe's largest size; None when not measured."""
-    ruler_gbps: float
-    memory_audit: list[AuditRow]
-    """Memory in use after each top-level module of one forward and backward of the micro-batch (the
-    seed's audit), counted on the meta device in the run's precision, attention as fused kernels run it."""
-    sliced_blocks: int | None = None
-    """None: the whole model was timed on one device. Else the model exceeds one device's budget:
-    a slice of this many blocks (with embeddings and head) was timed, and `step_compute_s` is its
-    per-block cost carried to the full depth (and `param_bytes` ... `peak_memory_bytes` the slice's)."""
 
 
 @dataclass(frozen=True)
@@ -192,170 +151,6 @@ class PlanResult:
         return "\n".join(rows)
 
 
-def _timed_steps(step) -> float:  # noqa: ANN001 - a zero-argument callable
-    """The median step of at least TIMED_STEPS, more while they add up to under a second (every
-    prediction scales this one number: a few more steps of a small model are cheap insurance)."""
-    times: list[float] = []
-    while len(times) < TIMED_STEPS or (sum(times) < TIMED_BUDGET_S and len(times) < MAX_TIMED_STEPS):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def step_strategy(cfg: PlanInputs) -> StrategyConfig:
-    """The one-device step the plan measures: the run's precision and activation checkpointing."""
-    return StrategyConfig(name="ddp", precision=cfg.strategy.precision,
-                          activation_checkpointing=cfg.strategy.activation_checkpointing,
-                          bucket_cap_mb=cfg.strategy.bucket_cap_mb)
-
-
-def measure(cfg: PlanInputs, bandwidth: BandwidthResult, anatomy: Anatomy) -> Rulers:
-    """Rulers 1 and 3 on this device, ruler 2 from the probe. The step measured and timed is the
-    training step itself (training/step.py), with the run's precision and checkpointing; `anatomy`
-    (counted on the meta device: counted_on_meta) takes the activations that step saved."""
-    import torch
-
-    from training.data import first_samples
-    from training.dist import synchronize
-    from training.memory import StepProbe, device_memory_bytes
-    from training.models import to_device
-    from training.overhead import measure_overheads
-    from training.parallel.compose import build_optimizer, parallelize
-    from training.planner.anatomy import meta_memory_audit
-    from training.step import optimizer_step
-
-    micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
-    blocks = sliced_to(cfg, micro)
-    bench = workbench(cfg.model, cfg.data, cfg.seed, cfg.train.tf32)
-    if blocks is not None:
-        bench.spec.keep_first_blocks(blocks)
-    model, dev = bench.model, bench.dev
-    batch = to_device(first_samples(bench.dataset, micro), dev)
-    audit = meta_memory_audit(cfg.model, cfg.seed, to_device(batch, torch.device("meta")), cfg.strategy.precision)
-    parallel = parallelize(model, bench.spec, step_strategy(cfg), dev, bench.loss)
-    optimizer = build_optimizer(parallel, 1e-4, 0.0)
-    clip = cfg.train.grad_clip
-
-    def step(probe: StepProbe | None = None, held: list | None = None) -> None:
-        finish = (lambda: held.append(probe.finish(optimizer))) if probe is not None else None
-        optimizer_step(parallel, optimizer, [batch], 1, clip, dev, before_zero=finish)
-        synchronize(dev)
-
-    # The first step allocates the optimizer state: measure memory there (gradients still held),
-    # time the later ones.
-    held: list = []
-    with StepProbe(parallel.model, dev) as probe:
-        step(probe, held)
-    memory = held[0]
-    compute = _timed_steps(step)
-    overheads = measure_overheads(model, cfg.model, bench.loss, batch, list(cfg.plan.strategies or strategies.pure()), dev, clip,
-                                  step_strategy(cfg))
-    device_bytes = (budget_bytes(cfg) or cfg.plan.device_memory_bytes
-                    or usable_device_bytes(bandwidth, memory.reserve_ratio)
-                    or device_memory_bytes(dev, cfg.procs_per_node))
-    if blocks is None:
-        anatomy = dataclasses.replace(anatomy, activations=Activations(saved=memory.activation_bytes / micro))
-    else:  # the slice's step, carried to the whole depth; the activations stay the meta count's
-        del bench, model, parallel, optimizer, step
-        compute = extrapolated(cfg, blocks, compute, micro, anatomy)
-    return Rulers(
-        anatomy=anatomy,
-        params=anatomy.shape.params,
-        param_bytes=memory.param_bytes,
-        grad_bytes=memory.grad_bytes,
-        optim_bytes=memory.optim_bytes,
-        activation_bytes=memory.activation_bytes,
-        peak_memory_bytes=memory.peak_bytes,
-        memory_source=memory.source,
-        device_memory_bytes=device_bytes,
-        flops_per_sample=anatomy.flops_per_sample,
-        step_compute_s=compute,
-        strategy_overhead_s=overheads.seconds,
-        overhead_not_measured=overheads.not_measured,
-        threads=torch.get_num_threads(),
-        busbw_gbps=bandwidth.largest_all_reduce_busbw_gbps,
-        ruler_gbps=bandwidth.ruler_gbps,
-        memory_audit=audit,
-        sliced_blocks=blocks,
-    )
-
-
-def usable_device_bytes(bandwidth: BandwidthResult, reserve_ratio: float) -> int | None:
-    """CUDA: the memory the workers found free (context and NCCL buffers held), in the bytes the
-    predictions count: allocated ones, of which the caching allocator reserves `reserve_ratio`
-    times as many (measured on this plan's step). None elsewhere."""
-    if bandwidth.free_device_bytes is None:
-        return None
-    return int(bandwidth.free_device_bytes / max(reserve_ratio, 1.0))
-
-
-def sliced_to(cfg: PlanInputs, micro: int) -> int | None:
-    """The blocks of the model the plan's one device can hold under a budget (None: all of it)."""
-    from training.planner.fit import blocks_that_fit
-
-    budget = budget_bytes(cfg)
-    if budget is None:
-        return None
-    blocks = blocks_that_fit(cfg.model, cfg.data, cfg.seed, cfg.strategy, micro, budget)
-    if blocks == 0:
-        raise ValueError(f"not even one block of the model and its embeddings and head fits one device's "
-                         f"cluster.device_memory_gib={cfg.cluster.device_memory_gib:g} at micro-batch {micro}: "
-                         "the plan can't time a step; raise the budget or lower train.micro_batch")
-    return blocks
-
-
-def extrapolated(cfg: PlanInputs, blocks: int, sliced_s: float, micro: int, anatomy: Anatomy) -> float:
-    """The whole model's step from a slice of `blocks` blocks timed at `sliced_s`: the per-block
-    cost from a second slice of one block, (t_k - t_1) / (k - 1), carried to the full depth; with
-    a slice of one block, by the FLOPs the whole executes over the slice's (counted on meta)."""
-    layers = anatomy.shape.layers
-    if blocks > 1:
-        one = _sliced_step_s(cfg, 1, micro)
-        per_block = max(sliced_s - one, 0.0) / (blocks - 1)
-        return sliced_s + (layers - blocks) * per_block
-    from training.models import batch_loss, model_loss
-    from training.planner.anatomy import FlopCount, build_on_meta
-
-    net, spec = build_on_meta(cfg.model, cfg.seed)
-    spec.keep_first_blocks(1)
-    with FlopCount() as flops:
-        batch_loss(net, meta_sample(cfg), model_loss(cfg.model)).backward()
-    return sliced_s * anatomy.flops_per_sample / flops.total
-
-
-def _sliced_step_s(cfg: PlanInputs, blocks: int, micro: int) -> float:
-    """The median step of the model's first `blocks` blocks on this device."""
-    from training.data import first_samples
-    from training.dist import synchronize
-    from training.models import to_device
-    from training.parallel.compose import build_optimizer, parallelize
-    from training.step import optimizer_step
-
-    bench = workbench(cfg.model, cfg.data, cfg.seed, cfg.train.tf32)
-    bench.spec.keep_first_blocks(blocks)
-    batch = to_device(first_samples(bench.dataset, micro), bench.dev)
-    parallel = parallelize(bench.model, bench.spec, step_strategy(cfg), bench.dev, bench.loss)
-    optimizer = build_optimizer(parallel, 1e-4, 0.0)
-
-    def step() -> None:
-        optimizer_step(parallel, optimizer, [batch], 1, cfg.train.grad_clip, bench.dev)
-        synchronize(bench.dev)
-
-    step()
-    return _timed_steps(step)
-
-
-def meta_sample(cfg: PlanInputs, samples: int = 1):  # noqa: ANN201 - a Batch on the meta device
-    """The data's first `samples`, on the meta device (what the model is measured on without memory)."""
-    import torch
-
-    from training.data import build_dataset, first_samples
-    from training.models import to_device
-
-    return to_device(first_samples(build_dataset(cfg.data), samples), torch.device("meta"))
-
-
 _COUNTED: dict[str, Any] = {}
 
 
@@ -397,73 +192,6 @@ def measured_split(counted: Activations, measured: float) -> Activations:
     share = (counted.tp_replicated - counted.loss_temp) / saved if saved else 0.0
     return dataclasses.replace(counted, saved=measured + counted.loss_temp,
                                tp_replicated=counted.loss_temp + measured * share)
-
-
-def measured_tiers(bandwidth: BandwidthResult) -> dict[str, Any]:
-    """Hardware's links by tier from what the probe measured. One node: its links serve every
-    size (launcher=local: every rank on this host's links; nothing measured across nodes). One rank
-    per node: every group crosses nodes. Several of each: the node's own ranks (intra), the whole
-    world (inter, full nodes) and one rank per node (inter, one rank's share of the NICs)."""
-    world = measured_links(bandwidth.results, bandwidth.world_size)
-    if bandwidth.nodes <= 1:
-        return {"devices_per_node": 10**9, "intra": world, "inter": world}
-    if bandwidth.procs_per_node <= 1 or not bandwidth.node_results:
-        return {"devices_per_node": bandwidth.procs_per_node, "intra": {}, "inter": world}
-    return {"devices_per_node": bandwidth.procs_per_node,
-            "intra": measured_links(bandwidth.node_results, bandwidth.procs_per_node), "inter": world,
-            "inter_single": measured_links(bandwidth.spread_results, bandwidth.nodes)}
-
-
-def hardware(cfg: PlanInputs, executed_flops_per_sample: float, rulers: Rulers | None,
-             bandwidth: BandwidthResult | None, micro: int) -> Hardware:
-    """Measured numbers for cluster=cpu-local (and any `measured` cluster), else the preset's."""
-    if not cfg.cluster.measured:
-        return described_hardware(cfg, executed_flops_per_sample)
-    assert rulers is not None and bandwidth is not None, "a measured cluster needs the measurements"
-    cpu = rulers.memory_source != "cuda_allocator"
-    # The ranks' own threads and cores as the bandwidth stage found them on every rank; at one
-    # rank (nothing probed) this process's.
-    shared = bandwidth.shared_cores if cpu else None
-    return Hardware(
-        device_memory_bytes=rulers.device_memory_bytes,
-        **measured_tiers(bandwidth),
-        seconds_per_sample=rulers.step_compute_s / micro,
-        cores=(shared.cores if shared else os.cpu_count() or 1) if cpu else None,
-        threads_per_device=shared.threads_per_rank if shared else rulers.threads,
-        overhead_s=rulers.strategy_overhead_s,
-        shared=shared,
-    )
-
-
-def ruler_reasons(r: Rulers, cfg: PlanInputs, world: int) -> list[str]:
-    """The bandwidth and compute-density rulers as sentences."""
-    reasons = []
-    if r.sliced_blocks is not None:
-        reasons.append(f"compute: the model exceeds one device's budget (cluster.device_memory_gib="
-                       f"{cfg.cluster.device_memory_gib:g}): timed a slice of its first {r.sliced_blocks} of "
-                       f"{r.anatomy.shape.layers} blocks with embeddings and head, the per-block cost carried to the "
-                       "full depth")
-    if r.busbw_gbps is None:
-        reasons.append("bandwidth: not measured (world size 1): no interconnect to judge, no prediction beyond 1 device")
-    elif r.busbw_gbps < r.ruler_gbps:
-        reasons.append(
-            f"bandwidth: all_reduce busbw {r.busbw_gbps:.2f} GB/s < {r.ruler_gbps:g} GB/s ruler: keep data "
-            f"parallelism within {cfg.plan.max_dp_low_bandwidth} devices"
-            + (f" (this run asks for {world})" if world > cfg.plan.max_dp_low_bandwidth else "")
-        )
-    else:
-        reasons.append(f"bandwidth: all_reduce busbw {r.busbw_gbps:.2f} GB/s >= {r.ruler_gbps:g} GB/s ruler")
-    if r.strategy_overhead_s or r.overhead_not_measured:
-        measured = ", ".join(f"{k} +{v * 1e3:.1f} ms" for k, v in sorted(r.strategy_overhead_s.items()))
-        missing = "; ".join(f"{k} not measured ({why})" for k, why in sorted(r.overhead_not_measured.items()))
-        reasons.append(f"overhead: each strategy's wrapper, measured on one rank, adds to the "
-                       f"{r.step_compute_s * 1e3:.1f} ms step: {measured or 'none measured'}"
-                       + (f"; {missing}" if missing else ""))
-    micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
-    density = r.flops_per_sample * micro * cfg.train.grad_accum / max(r.grad_bytes, 1)
-    reasons.append(f"compute density: {r.flops_per_sample:.3g} FLOPs per sample, {density:.0f} FLOPs per gradient "
-                   f"byte all-reduced")
-    return reasons
 
 
 def lr_reason(lr: LrFindResult, target_batch: int, warmup_steps: int) -> str:

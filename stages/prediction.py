@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stages.plan import PlanResult
-from training.planner.search import Candidate
+from training.planner.ranking import Candidate
 from training.planner.step import StepPrediction
 
 

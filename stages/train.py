@@ -27,7 +27,7 @@ from training.memory import StepProbe
 from training.planner.advice import candidate_settings, one_device
 from training.planner.calibration import MeasuredStep
 from training.planner.fit import SHARDED
-from training.planner.search import Candidate
+from training.planner.ranking import Candidate
 from training.profile import StepProfiler, TimeSplit
 from training.sysmetrics import SystemSample, SystemSampler, node_id, sample_metrics
 from training.units import GIB
@@ -265,10 +265,10 @@ def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: Tr
     from stages.setting import build_setting, run_setting
     from training import checkpoint
     from training.budget import stage_peak_bytes
+    from training.contract.calls import tokens_per_sample
     from training.data import first_samples
     from training.flops import peak_column, peak_flops
     from training.loop import Hooks
-    from training.models import tokens_per_sample
     from training.models.moe import ExpertLoads, merge_counts, rank_imbalance, step_imbalance
 
     sharded_baseline = baseline is None and cfg.world_size is not None and 1 < world_size() < cfg.world_size

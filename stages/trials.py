@@ -32,7 +32,7 @@ from training.isolation import run_isolated
 from training.plan_config import PlanConfig
 from training.planner.advice import candidate_settings
 from training.planner.calibration import Calibration, MeasuredStep, fit_calibration
-from training.planner.search import Candidate, dims_label
+from training.planner.ranking import Candidate, dims_label
 
 if TYPE_CHECKING:
     from pipelines.tracking import ChildRun

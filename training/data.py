@@ -36,7 +36,7 @@ TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 def build_dataset(cfg: DataConfig) -> Dataset:
     """The data set `data._target_` builds."""
-    from training.models import instantiate
+    from training.contract.calls import instantiate
 
     dataset = instantiate(cfg.target, cfg.kwargs)
     if not isinstance(dataset, Dataset) and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):

@@ -1,5 +1,5 @@
 """A layout held against the model before anything starts: the strategy's degrees, schedule and
-microbatches against what the model declared (training/contract.py's ContractFacts). Each problem is
+microbatches against what the model declared (training/contract/check.py's ContractFacts). Each problem is
 one ConfigError naming the key, the value and what is allowed. The engine (pipelines/validate.py)
 calls these with the pieces of the config they read, never the whole config."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from common.errors import ConfigError
 from training.config import StrategyConfig
-from training.contract import ContractFacts
+from training.contract.check import ContractFacts
 from training.parallel.dims import ParallelDims, expert_parallel_problem
 from training.parallel.schedules import checkpointing_problem, data_parallel_problem, microbatches_problem
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from training.config import TrainConfig
+from training.contract.calls import Batch
 from training.dist import all_reduce_sum, synchronize
 from training.memory import StepMemory, StepProbe
-from training.models import Batch
 from training.parallel.compose import Parallel
 from training.profile import StepProfiler
 from training.step import optimizer_step

@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from common.errors import ContractError
 from training import strategies as registry
 from training.config import ModelConfig, StrategyConfig
+from training.contract.calls import Batch, LossFn
 from training.dist import synchronize
-from training.models import Batch, LossFn
-from training.models.spec import ContractError
 
 if TYPE_CHECKING:
     from training.parallel.compose import Parallel
@@ -77,7 +77,7 @@ def measure_overheads(
     alike. Both run the training step (training/step.py) on `batch`, in `base`'s precision.
     `model` comes prepared as the plan measures it (activation checkpointing already applied), so
     neither the bare step nor the wrappers apply it again."""
-    from training.models.spec import model_spec
+    from training.contract.spec import model_spec
     from training.parallel.compose import build_optimizer, parallelize
     from training.step import optimizer_step
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from training.models import Batch, to_device
+from training.contract.calls import Batch, to_device
 from training.parallel.compose import Parallel, clip_grad_norm
 
 

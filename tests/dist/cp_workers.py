@@ -40,8 +40,8 @@ def block_activations(inputs: tuple[ModelConfig, StrategyConfig, int, int]) -> d
     """One training step's forward and backward of the model under `strategy` on a seeded token
     batch (the same on every rank): the bytes saved inside the blocks on this rank, and the K/V
     all-gather traffic context parallelism measured (none without it)."""
-    from training.models import build_model, model_loss
-    from training.models.spec import model_spec
+    from training.contract.calls import build_model, model_loss
+    from training.contract.spec import model_spec
     from training.parallel.compose import parallelize
 
     model_cfg, strategy, batch, seq_len = inputs

@@ -19,7 +19,7 @@ def in_flight(inputs: tuple[ModelConfig, DataConfig, dict[str, StrategyConfig], 
 def _in_flight(model_cfg: ModelConfig, data_cfg: DataConfig, strategy: StrategyConfig, micro: int) -> list[dict]:
     from stages.common import workbench
     from training.data import first_samples
-    from training.models import to_device
+    from training.contract.calls import to_device
     from training.parallel.chunks import chunk_blocks, parts
     from training.parallel.compose import build_optimizer, parallelize
     from training.parallel.inflight import InFlight

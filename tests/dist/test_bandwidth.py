@@ -47,11 +47,11 @@ def test_world_of_one_measures_nothing() -> None:
 def test_two_nodes_of_two_ranks_probe_both_tiers(tmp_path) -> None:
     """nodes=2 x procs_per_node=2: each node's own pair (the intra-node tier) and one rank of each
     node (the inter-node tier) are measured too, every group of a tier at once; the plan fits one
-    link per tier from them (stages/plan.py: measured_tiers)."""
+    link per tier from them (stages/rulers.py: measured_tiers)."""
     from pipelines.launchers.base import Task, WorldSpec
     from pipelines.launchers.local import LocalLauncher
     from pipelines.schema import LauncherConfig
-    from stages.plan import measured_tiers
+    from stages.rulers import measured_tiers
     from training.shared_cores import time_share
 
     cfg = BandwidthConfig(min_bytes=1024, max_bytes=65536, factor=8, iters=3, warmup_iters=1,

@@ -133,8 +133,8 @@ def test_grouped_kv_heads_are_gathered_at_the_width_the_cost_model_counts(compos
 
     from training.planner.anatomy import measure_anatomy
     from training.planner.memory import activation_tensor_bytes
-    from training.models import build_model, model_loss
-    from training.models.spec import model_spec
+    from training.contract.calls import build_model, model_loss
+    from training.contract.spec import model_spec
 
     cfg = compose_cfg("model=hf-qwen2", "tracking=none").model
     with torch.device("meta"):

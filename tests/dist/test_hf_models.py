@@ -85,7 +85,7 @@ def pretrained_llama(compose_cfg, directory) -> tuple[object, float]:
     import torch
 
     from training.data import GlobalBatches, build_dataset
-    from training.models import batch_loss, build_model, model_loss
+    from training.contract.calls import batch_loss, build_model, model_loss
 
     cfg = compose_cfg("model=hf-llama", "data.num_samples=256", "data.seq_len=16", "tracking=none")
     torch.manual_seed(1234)

@@ -153,7 +153,7 @@ def test_the_all_to_alls_move_what_the_cost_model_counts():
     from tests.helpers import run_world
     from training.planner.anatomy import build_on_meta, measure_anatomy
     from training.planner.comm import all_to_all_bytes
-    from training.models import model_loss
+    from training.contract.calls import model_loss
 
     inputs = (train_inputs(StrategyConfig(name="zero3", ep=2), MOE), tempfile.mkdtemp())
     result, sent = run_world("tests.dist.workers:train_counting_all_to_alls", inputs, world=2)

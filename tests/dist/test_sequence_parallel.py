@@ -75,7 +75,7 @@ def saved_per_rank(inputs: tuple[ModelConfig, StrategyConfig]) -> dict:
     """One forward and backward of a B x S batch through the model as the trainer builds and
     parallelizes it on this rank, its saved activations counted (training/activations.py)."""
     from training.activations import measure_tp_split
-    from training.models import batch_loss, model_loss
+    from training.contract.calls import batch_loss, model_loss
     from training.parallel.compose import parallelize
     from training.parallel.materialize import build_on_device
     from torch.distributed.tensor.parallel import loss_parallel

@@ -20,7 +20,7 @@ from tests.helpers import run_world
 from training.config import StrategyConfig, TrainConfig
 from training.plan_config import PlanConfig
 from training.planner.predict import Prediction
-from training.planner.search import Candidate
+from training.planner.ranking import Candidate
 
 COLLECTIVE_TIMEOUT_S = 120.0
 STEPS = 4

@@ -105,7 +105,7 @@ def ep_against_transformers(family: str) -> object:
 
     from training.config import ModelConfig
     from training.models.moe import local_part
-    from training.models.spec import model_spec
+    from training.contract.spec import model_spec
     from training.parallel.dims import ParallelDims
     from training.parallel.ep import apply_ep, expert_groups
 

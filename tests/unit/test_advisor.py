@@ -10,7 +10,7 @@ import pytest
 from stages.plan import whatif
 from training.parallel.dims import ParallelDims
 from training.planner.advice import PlanInputs
-from training.planner.search import Candidate
+from training.planner.ranking import Candidate
 from training.units import GIB
 
 
@@ -76,7 +76,7 @@ def test_the_requested_layout_is_predicted_as_an_explicit_run_of_it_would_be(com
 
 
 def test_ties_go_to_the_simpler_layout():
-    from training.planner.search import rank
+    from training.planner.ranking import rank
 
     def candidate(strategy: str, flavour: str, tp: int, tokens: float) -> Candidate:
         dims = {"pp": 1, "dp_replicate": 1, "dp_shard": 8 // tp if flavour != "ddp" else 1, "tp": tp}
@@ -169,8 +169,8 @@ def test_every_layout_searched_is_one_that_its_command_trains():
     """strategy=hybrid replicates pipeline stages with plain DDP: the search must not offer a
     sharded-optimizer flavour there (its command would train DDP and be measured as zero1)."""
     from training import strategies
-    from training.planner.search import layouts
     from training.planner.shape import Shape
+    from training.planner.space import layouts
 
     shape = Shape(params=10**6, layers=4, block_linear_params=10**5, hidden=64, seq_len=32, heads=4,
                   first_stage_params=10**4, last_stage_params=10**4, tp_sizes=(64, 256))

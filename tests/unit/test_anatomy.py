@@ -15,7 +15,8 @@ from stages.plan import counted_on_meta, whatif
 from training.config import ModelConfig
 from training.data import first_samples, markov
 from training.planner.advice import PlanInputs
-from training.planner.anatomy import FlopCount, meta_memory_audit
+from training.planner.anatomy import meta_memory_audit
+from training.planner.counting import FlopCount
 
 MIB = 1024**2
 
@@ -178,7 +179,7 @@ def test_a_mixture_of_experts_anatomy_from_one_layer_and_two_is_its_whole_forwar
     """The plan's anatomy of the built-in MoE GPT (count_on_meta) counted at one and two layers and
     extended, its Shape read from the whole model: the same FLOPs, saved bytes and Shape as a
     counted forward of the whole model at four layers, the experts' share of FLOPs included."""
-    from training.models import model_loss
+    from training.contract.calls import model_loss
     from training.planner.anatomy import build_on_meta, count_on_meta, measure_anatomy
 
     cfg = MOE_GPT

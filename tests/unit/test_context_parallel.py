@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
+from common.errors import ContractError
 from pipelines.cli import UserError, precheck
 from training.config import ModelConfig, StrategyConfig
-from training.models.spec import ContractError
 from training.parallel.compose import techniques
 from training.parallel.cp import ContextParallel, SequenceSplit
 from training.parallel.dims import ParallelDims, resolve_dims

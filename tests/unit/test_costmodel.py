@@ -9,9 +9,9 @@ import torch
 
 from training.collectives import bus_factor
 from training.config import ModelConfig
+from training.contract.calls import build_model, model_loss
+from training.contract.spec import model_spec
 from training.data import first_samples, markov
-from training.models import build_model, model_loss
-from training.models.spec import model_spec
 from training.parallel.dims import ParallelDims
 from training.planner.anatomy import measure_anatomy
 from training.planner.comm import Link, fit_link

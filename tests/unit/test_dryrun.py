@@ -61,8 +61,8 @@ def holdings(model_cfg: ModelConfig, strategy: StrategyConfig, world: int, rank:
     from torch.distributed.tensor import DTensor, Replicate
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from training.models import build_model, model_loss
-    from training.models.spec import model_spec
+    from training.contract.calls import build_model, model_loss
+    from training.contract.spec import model_spec
     from training.parallel.compose import parallelize
 
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
@@ -91,7 +91,7 @@ def test_the_3d_layout_holds_every_parameter_exactly_once():
     placements declare, e.g. a LayerNorm replicated over tp)."""
     import torch
 
-    from training.models import build_model
+    from training.contract.calls import build_model
 
     with torch.device("meta"):
         full = {n: p.numel() for n, p in build_model(SMALL, seed=0).named_parameters()}
@@ -127,8 +127,8 @@ LAYOUTS_64 = {
 def seven_b_shape():
     import torch
 
-    from training.models import build_model
-    from training.models.spec import model_spec
+    from training.contract.calls import build_model
+    from training.contract.spec import model_spec
     from training.planner.anatomy import shape_of
 
     with torch.device("meta"):

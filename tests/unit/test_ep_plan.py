@@ -1,4 +1,4 @@
-"""The expert-parallel plan (training/models/spec.py): where each model says its experts are, in
+"""The expert-parallel plan (training/contract/spec.py): where each model says its experts are, in
 Hugging Face's base_model_ep_plan words, read from the built-in MoE GPT, from transformers' MoE
 families and from `model.ep_plan`; what does not fit is one line before anything starts."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.errors import ConfigError
+from common.errors import ConfigError, ContractError
 from pipelines.cli import UserError, precheck
 from training.config import ModelConfig
-from training.models.spec import ContractError, model_spec
+from training.contract.spec import model_spec
 
 
 def sites(model, cfg: ModelConfig):

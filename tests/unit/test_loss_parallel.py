@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from training.config import ModelConfig, StrategyConfig, Target
-from training.models import build_model
-from training.models.spec import model_spec
+from training.contract.calls import build_model
+from training.contract.spec import model_spec
 from training.parallel.dims import ParallelDims
 from training.planner.comm import comm_time
 from training.planner.memory import activation_memory, params_per_rank
@@ -23,7 +23,7 @@ from training.planner.workload import LOSS_PARALLEL_TEMPS, Workload
 
 V, H = 512, 64
 GPT = ModelConfig(name="gpt", kwargs=dict(vocab_size=V, d_model=H, n_layers=2, n_heads=4, seq_len=16))
-OWN_LOSS = dataclasses.replace(GPT, loss=Target(target="training.models.cross_entropy", kwargs={}))
+OWN_LOSS = dataclasses.replace(GPT, loss=Target(target="training.contract.calls.cross_entropy", kwargs={}))
 
 
 def test_the_head_is_the_pipeline_layouts_last_linear_unless_the_loss_is_the_users(compose_cfg):
@@ -73,7 +73,7 @@ def _collectives(model_cfg: ModelConfig, tp: int = 2) -> tuple[int, int]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from training.models import model_loss
+    from training.contract.calls import model_loss
     from training.parallel.compose import parallelize
 
     dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())

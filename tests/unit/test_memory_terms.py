@@ -9,10 +9,10 @@ import torch
 
 from training.activations import measure_tp_split
 from training.config import ModelConfig
-from training.models import batch_loss, build_model, model_loss
-from training.models.spec import model_spec
+from training.contract.calls import batch_loss, build_model, model_loss
+from training.contract.spec import model_spec
 from training.parallel.dims import ParallelDims
-from training.planner.anatomy import fused_attention_on_meta
+from training.planner.counting import fused_attention_on_meta
 from training.planner.memory import (
     activation_memory,
     fsdp_gathered_root,

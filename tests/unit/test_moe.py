@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from training.models.gpt import build
 from training.models.moe import LoadCounter, MoE, load_imbalance
-from training.planner.anatomy import FlopCount
+from training.planner.counting import FlopCount
 
 D, HIDDEN, E = 8, 16, 4
 
@@ -185,8 +185,8 @@ def test_experts_that_get_no_token_stay_in_the_graph(family):
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
+    from training.contract.spec import ExpertSite
     from training.models.moe import GroupedExperts
-    from training.models.spec import ExpertSite
     from training.parallel.ep import ExpertGroups, ExpertParallel
 
     if family == "builtin":

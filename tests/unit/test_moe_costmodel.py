@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from training.config import ModelConfig
+from training.contract.calls import build_model, model_loss
+from training.contract.spec import model_spec
 from training.data import first_samples, markov
-from training.models import build_model, model_loss
 from training.models.moe import rank_imbalance, step_imbalance
-from training.models.spec import model_spec
 from training.parallel.dims import ParallelDims
 from training.planner.anatomy import measure_anatomy
 from training.planner.calibration import MeasuredStep, measured_imbalance
@@ -164,7 +164,7 @@ def test_the_imbalance_each_degree_would_see_is_measured_from_the_routed_slots()
 
 
 def test_the_search_offers_ep_where_the_trainer_can_split_the_experts():
-    from training.planner.search import layouts
+    from training.planner.space import layouts
 
     found = {(flavour, d) for flavour, d in layouts(8, SHAPE)}
     split = {(flavour, d) for flavour, d in found if d.ep > 1}

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.errors import ConfigError
+from common.errors import ConfigError, ContractError
 from training.activations import measure_tp_split
 from training.config import ModelConfig
-from training.models import batch_loss, build_model, model_loss
-from training.models.spec import ContractError, model_spec
+from training.contract.calls import batch_loss, build_model, model_loss
+from training.contract.spec import model_spec
 from training.parallel.ac import apply_ac
 from training.planner.anatomy import measure_variant
 

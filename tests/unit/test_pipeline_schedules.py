@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.errors import ConfigError
+from common.errors import ConfigError, ContractError
 from pipelines.cli import UserError, precheck
 from training.config import ModelConfig, StrategyConfig
-from training.models.spec import ContractError, Skipped, model_spec
+from training.contract.blocks import Skipped
+from training.contract.spec import model_spec
 from training.parallel.chunks import PipelineChunks, chunk_blocks, parts, split
 from training.parallel.schedules import (
     PP_SCHEDULES,
@@ -192,7 +193,7 @@ def _hf_config(model_class: str, config_class: str, **extra: object) -> ModelCon
 ], ids=["llama", "gemma2"])
 def test_the_contract_check_runs_a_batch_through_the_stages(model, problem):
     from training.config import DataConfig
-    from training.contract import describe
+    from training.contract.check import describe
 
     data = DataConfig(kwargs=dict(num_samples=8, seq_len=8, vocab_size=64))
     found = describe(model, data, seed=0).pipeline_problem

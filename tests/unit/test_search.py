@@ -12,17 +12,10 @@ from training import strategies
 from training.planner.comm import Link
 from training.planner.hardware import Hardware
 from training.planner.predict import predict_layout
-from training.planner.search import (
-    Space,
-    Variant,
-    batch_splits,
-    closest_miss,
-    layouts,
-    pipeline_settings,
-    search,
-    strategy_name,
-)
+from training.planner.ranking import closest_miss
+from training.planner.search import search
 from training.planner.shape import Activations, Shape
+from training.planner.space import Space, Variant, batch_splits, layouts, pipeline_settings, strategy_name
 from training.units import GIB
 
 INTRA = {"all_reduce": Link(alpha_s=10e-6, busbw_gbps=450, world=8)}

@@ -74,8 +74,8 @@ def test_the_overhead_probe_measures_it_on_one_rank(toy):
     import torch
 
     from training.config import ModelConfig
+    from training.contract.calls import build_model, model_loss
     from training.data import first_samples, markov
-    from training.models import build_model, model_loss
     from training.overhead import measure_overheads
 
     cfg = ModelConfig(kwargs=dict(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2))

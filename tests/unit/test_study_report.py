@@ -13,7 +13,7 @@ from stages.prediction import PredictionCheck
 from stages.train import TrainResult
 from stages.trials import TrialsResult
 from training.planner.predict import Prediction
-from training.planner.search import Candidate
+from training.planner.ranking import Candidate
 from training.planner.step import StepPrediction
 
 

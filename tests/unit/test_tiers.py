@@ -13,7 +13,7 @@ from training.collectives import Measurement
 from training.parallel.dims import ParallelDims
 from training.planner.comm import Group, Link, comm_time, group_of, latency_hops
 from training.planner.hardware import Hardware
-from training.planner.search import Candidate, rank
+from training.planner.ranking import Candidate, rank
 from training.planner.shape import Shape
 
 # The h100-80g-ndr preset: NVLink 450 GB/s busbw at 10 µs in a node; 8 x NDR 400 Gb/s per node,
@@ -102,8 +102,8 @@ def test_the_search_keeps_tp_in_a_node_unless_crossing_is_more_than_5_percent_fa
 
 
 def test_a_kept_crossing_layout_says_why_with_the_tiers_numbers():
+    from training.planner.ranking import Searched
     from training.planner.reasons import node_local_reason
-    from training.planner.search import Searched
 
     across, slower = candidate(16, 1000.0), candidate(8, 900.0, dp_shard=2)
     reason = node_local_reason(across, Searched([across, slower], 2), H100)
@@ -114,8 +114,8 @@ def test_a_kept_crossing_layout_says_why_with_the_tiers_numbers():
 
 
 def test_a_kept_cp_group_across_nodes_names_cp_and_its_k_v_all_gathers():
+    from training.planner.ranking import Searched
     from training.planner.reasons import node_local_reason
-    from training.planner.search import Searched
 
     across, slower = candidate(1, 1000.0, cp=64), candidate(8, 800.0, dp_shard=8)
     reason = node_local_reason(across, Searched([across, slower], 2), H100)
@@ -140,7 +140,7 @@ def bandwidth(nodes: int, per_node: int, **rows: list[Measurement]) -> Bandwidth
 
 
 def test_the_measured_tiers_come_from_the_probes_groups():
-    from stages.plan import measured_tiers
+    from stages.rulers import measured_tiers
 
     full, node, spread = probe_rows(8, 100, 50), probe_rows(4, 400, 10), probe_rows(2, 20, 80)
     tiers = measured_tiers(bandwidth(2, 4, results=full, node_results=node, spread_results=spread))

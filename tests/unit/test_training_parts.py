@@ -9,6 +9,8 @@ import torch
 from torch.utils.data import default_collate
 
 from training.config import ModelConfig, StrategyConfig
+from training.contract.calls import batch_loss, build_model, model_loss
+from training.contract.spec import model_spec
 from training.data import (
     GlobalBatches,
     StepSampler,
@@ -20,8 +22,6 @@ from training.data import (
 )
 from training.loop import lr_lambda
 from training.memory import SavedActivations, state_bytes
-from training.models import batch_loss, build_model, model_loss
-from training.models.spec import model_spec
 from training.planner.anatomy import measure_anatomy
 
 TINY = ModelConfig(kwargs=dict(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2))

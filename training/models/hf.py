@@ -4,7 +4,7 @@
 family of transformers works the same way. The model keeps its own declarations, which the
 parallel code reads like any user model's: `config.base_model_tp_plan` (colwise/rowwise strings
 relative to the base model), `_no_split_modules` (the decoder layer: the FSDP and checkpointing
-unit) and `config.base_model_pp_plan` (the pipeline layout: training/models/spec.py). Its forward
+unit) and `config.base_model_pp_plan` (the pipeline layout: training/contract/spec.py). Its forward
 returns `.loss` when given labels, and its logits otherwise.
 """
 

@@ -179,7 +179,7 @@ def layer_name(name: str) -> str:
 
 class LoadCounter:
     """The routed slots per expert an experts module (one named by the model's expert plan:
-    training/models/spec.py) was sent since the last `take()`, on the device: a forward pre-hook
+    training/contract/spec.py) was sent since the last `take()`, on the device: a forward pre-hook
     reads its `top_k_index`, so every MoE family is counted alike. Each forward counts once
     (micro-batches, pipeline microbatches add up); checkpointing's recomputation in backward does
     not count again; dropped slots (the index n_experts) do not count."""

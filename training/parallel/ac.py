@@ -27,8 +27,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from training.contract.blocks import Block
 from training.memory import kept_for_backward
-from training.models.spec import Block
 
 _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional

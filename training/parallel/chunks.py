@@ -1,6 +1,6 @@
 """A pipeline rank's model chunks: one stage's part of the model each, cut by the model's layout.
 
-A chunk is the model with only its stage's blocks and ends (training/models/spec.py's layout):
+A chunk is the model with only its stage's blocks and ends (training/contract/spec.py's layout):
 the model itself, pruned in place, where a rank holds one stage (gpipe, 1f1b); where it holds
 several (interleaved, ZB-V), a *skeleton* per stage: a shallow copy of the modules from the
 model's root down to the blocks' container and nothing else — every block, embedding and head is
@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from training.models.spec import Block, PipelineLayout, Skipped
+from training.contract.blocks import Block, PipelineLayout, Skipped
 from training.parallel.schedules import stage_blocks
 
 
@@ -134,7 +134,7 @@ def composition_problem(model: nn.Module, layout: PipelineLayout, inputs: torch.
     forward on `inputs` — a forward that changes what it is given outside the parts the layout
     names (Gemma-2 soft-caps its logits in the head's forward: on every stage, once cut); None when
     the stages compose to the whole. `model` is left as it was (the stages are skeletons)."""
-    from training.models import logits_of
+    from training.contract.calls import logits_of
 
     names = [name for name, _ in model.get_submodule(layout.container).named_children()]
     if len(names) < 2:

@@ -22,9 +22,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from training import strategies
 from training.config import StrategyConfig
+from training.contract.calls import Batch, LossFn, forward
+from training.contract.spec import ExpertSite, ModelSpec
 from training.dist import is_dist, rank, world_size
-from training.models import Batch, LossFn, forward
-from training.models.spec import ExpertSite, ModelSpec
 from training.models.weights import Weights
 from training.parallel.ac import apply_ac
 from training.parallel.chunks import chunk_blocks, each, parts

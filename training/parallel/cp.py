@@ -46,8 +46,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from training.models import Batch
-from training.models.spec import ContractError
+from common.errors import ContractError
+from training.contract.calls import Batch
 
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 """torch.nn.functional.scaled_dot_product_attention's parameters, in order."""

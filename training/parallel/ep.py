@@ -15,7 +15,7 @@ the other weights' average is: one process's gradient at the same global batch.
 
 Composes with DDP, FSDP (the experts sharded over their replicas) and pipeline stages (each stage's
 own expert groups). Applied to whatever experts modules the model's expert plan names
-(training/models/spec.py): the built-in MoE GPT's, Hugging Face's MoE families'
+(training/contract/spec.py): the built-in MoE GPT's, Hugging Face's MoE families'
 (`base_model_ep_plan`), a user model's (`model.ep_plan`). Tensor parallelism
 beside ep keeps the experts whole on every TP rank (expert_groups). Context parallelism with ep
 and zero1's sharded optimizer are refused up front (training/parallel/dims.py's
@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from training.contract.spec import ExpertSite
 from training.models.moe import group_by_expert, local_part
-from training.models.spec import ExpertSite
 from training.parallel.dims import ParallelDims
 
 
@@ -103,7 +103,7 @@ class AllToAllExperts:
 
 class ExpertParallel:
     """An experts module's forward under expert parallelism, for any module the expert plan names
-    (training/models/spec.py's contract: `(tokens, top_k_index, top_k_weights)`, its parameters
+    (training/contract/spec.py's contract: `(tokens, top_k_index, top_k_weights)`, its parameters
     stacked along the experts): the slots grouped by expert, sent to their experts' ranks and back
     (AllToAllExperts), and combined with their weights here. On the rank holding them, the module's
     own forward runs the received tokens, each through its local expert with weight 1, over this

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from training.models.spec import Block
+from training.contract.blocks import Block
 
 
 @dataclass(frozen=True)

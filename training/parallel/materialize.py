@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from training.config import ModelConfig
-from training.models.spec import ModelSpec
+from training.contract.spec import ModelSpec
 from training.models.weights import Weights
 
 InitFn = Callable[[nn.Module], None]
@@ -72,8 +72,8 @@ def parameters_on_meta() -> Iterator[None]:
 def build_on_device(cfg: ModelConfig, seed: int, dev: torch.device) -> tuple[nn.Module, ModelSpec]:
     """The model for `dev` and its declarations: on the meta device, pending its shards, when it
     declares its initialisation; otherwise built whole on the host and moved to `dev`."""
-    from training.models import build_model
-    from training.models.spec import Pending, model_spec
+    from training.contract.calls import build_model
+    from training.contract.spec import Pending, model_spec
 
     with parameters_on_meta():
         model = build_model(cfg, seed)

@@ -1,6 +1,6 @@
 """Pipeline parallelism with torch.distributed.pipelining: split by block, run a schedule.
 
-A model opts in by declaring its layout (training/models/spec.py: blocks in a ModuleDict,
+A model opts in by declaring its layout (training/contract/spec.py: blocks in a ModuleDict,
 `pp_first`/`pp_last`, a forward that skips whatever is None; torchtitan's contract; or Hugging
 Face's `base_model_pp_plan`). A rank holds one stage (gpipe, 1f1b) or several (interleaved_1f1b,
 zero_bubble: looped; zbv, dualpipev: a V), each a chunk of the model (training/parallel/chunks.py);
@@ -24,7 +24,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from training.models.spec import PipelineLayout
+from training.contract.blocks import PipelineLayout
 from training.parallel.chunks import PipelineChunks, parts, split
 from training.parallel.schedules import SINGLE, rank_stages
 

@@ -2,7 +2,7 @@
 
 `colwise` splits a linear by output columns and `rowwise` by input rows: a column split followed
 by its row partner needs one all-reduce per pair in forward and one in backward (Megatron). The
-plan comes from the model (training/models/spec.py), resolved to module names.
+plan comes from the model (training/contract/spec.py), resolved to module names.
 
 **Sequence parallelism** (Korthikanti et al. 2022, Megatron's): what TP leaves whole on every rank
 between the split regions (the norms, the residual stream, its dropout) is split over the sequence
@@ -16,7 +16,7 @@ Megatron, the column-split linears save the norm's shard, not the gathered input
 again in backward: every activation a block saves is then split over the TP ranks.
 
 **Loss parallelism** (torchtitan's; Megatron's vocabulary-parallel cross-entropy): the model's head
-(training/models/spec.py) is split by vocabulary and its logits stay split, a DTensor sharded on
+(training/contract/spec.py) is split by vocabulary and its logits stay split, a DTensor sharded on
 the last dimension, into the loss, which torch computes on the shards under `loss_parallel()`: a
 max, a sum of exponentials and the target's logit all-reduced per position instead of the logits
 gathered. The logits, the loss's saved softmax and its gradients are then split over the TP
@@ -44,8 +44,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from training.contract.spec import ModelSpec
 from training.memory import storage_id
-from training.models.spec import ModelSpec
 
 STYLES = {  # "colwise": SharingColwise
     "rowwise": lambda: RowwiseParallel(),

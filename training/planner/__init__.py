@@ -14,9 +14,12 @@ Where each idea lives, in dependency order (a module imports only those above it
 - calibration: earlier runs' measured steps refine the components (fit_calibration).
 - predict: the public entry for one layout, `predict_layout` (evaluate a layout: step time,
   throughput, memory, efficiency).
+- counting: FLOPs counted on the meta device, attention and dropout as fused kernels run them.
 - anatomy: a model counted from the built module (FLOPs, saved bytes, shape), on the meta device.
 - fit: does a model fit one device, and the smallest layout that holds it.
 - dryrun: a layout at production scale on a fake process group, counted from the real sharded model.
+- space: what the search may choose from: settings (Variant), layouts, batch splits, pipelines.
+- ranking: a Candidate (a point of the space as predicted), how candidates rank and read.
 - search: the public entry for the space, `search` (every layout and knob, ranked).
 - reasons: the advice's reasons, in the seeds' terms (which ruler decided against each strategy).
 - advice: the plan's inputs (PlanInputs) read into a search set up from a run's measurements or a

@@ -15,17 +15,11 @@ from training.plan_config import ClusterConfig, PlanConfig
 from training.planner.calibration import Calibration
 from training.planner.hardware import Hardware, preset_links
 from training.planner.predict import Prediction, device_counts, predict, predict_layout
+from training.planner.ranking import Candidate, Searched
 from training.planner.reasons import expert_reason, headline_reason, node_local_reason, rejection_reasons
-from training.planner.search import (
-    Candidate,
-    Searched,
-    Space,
-    Variant,
-    search,
-    search_cp,
-    strategy_name,
-)
+from training.planner.search import search
 from training.planner.shape import Anatomy
+from training.planner.space import Space, Variant, search_cp, strategy_name
 from training.planner.workload import Workload, strategy_workload
 from training.strategies import flavour_of
 from training.units import GIB
@@ -179,7 +173,7 @@ def advise(cfg: PlanInputs, anatomy: Anatomy, costs: list[VariantCost], hw: Hard
 def own_candidate(cfg: PlanInputs, anatomy: Anatomy, variants: list[Variant], hw: Hardware, memory_limit: float,
                   overlap: float, calibration: Calibration | None, micro: int, space: Space) -> Candidate | None:
     """The layout and knobs this invocation asked for, predicted as a candidate."""
-    from training.planner.search import candidate_of
+    from training.planner.ranking import candidate_of
 
     world = cfg.nodes * cfg.procs_per_node
     d = resolve_dims(cfg.strategy, world)

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from training.config import ModelConfig, StrategyConfig
+from training.contract.calls import build_model, model_loss
+from training.contract.spec import model_spec
 from training.memory import state_bytes
-from training.models import build_model, model_loss
-from training.models.spec import model_spec
 from training.parallel.compose import build_optimizer, parallelize, resolve_dims
 from training.planner.memory import keeps_gathered
 from training.planner.shape import COMPUTE_BYTES

@@ -38,8 +38,8 @@ def counted(model: ModelConfig, data: DataConfig, seed: int, precision: str, che
     if key not in _COUNTED:
         import torch
 
+        from training.contract.calls import to_device
         from training.data import build_dataset, first_samples
-        from training.models import to_device
         from training.planner.anatomy import build_on_meta, measure_variant, shape_of
 
         model_nn, spec = build_on_meta(model, seed)
@@ -56,9 +56,10 @@ def slice_counted(model: ModelConfig, data: DataConfig, seed: int, precision: st
     import torch
 
     from training.activations import measure_tp_split
+    from training.contract.calls import batch_loss, model_loss, to_device
     from training.data import build_dataset, first_samples
-    from training.models import batch_loss, model_loss, to_device
-    from training.planner.anatomy import build_on_meta, fused_attention_on_meta, shape_of
+    from training.planner.anatomy import build_on_meta, shape_of
+    from training.planner.counting import fused_attention_on_meta
 
     net, spec = build_on_meta(model, seed, precision, checkpointing)
     spec.keep_first_blocks(blocks)

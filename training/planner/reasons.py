@@ -10,7 +10,7 @@ from training import strategies
 from training.planner.comm import Group, all_to_all_bytes, group_of
 from training.planner.hardware import Hardware
 from training.planner.memory import state_memory
-from training.planner.search import NODE_LOCAL, Candidate, Searched, closest_miss, crosses_nodes
+from training.planner.ranking import NODE_LOCAL, Candidate, Searched, closest_miss, crosses_nodes
 from training.planner.shape import Anatomy, Shape
 from training.units import GIB
 

@@ -55,7 +55,7 @@ class ContractFacts:
     takes_position_ids: bool = False
     """The model's forward accepts `position_ids=` (what context parallelism passes)."""
     experts: list[int] = dataclasses.field(default_factory=list)
-    """Experts of each experts module the model's expert plan names (training/models/spec.py), which
+    """Experts of each experts module the model's expert plan names (training/contract/spec.py), which
     expert parallelism can split; empty: none."""
     ep_problem: str | None = None
     """Why the model's expert plan can't be applied (an unknown role, a pattern matching nothing, an
@@ -69,7 +69,7 @@ def _one_line(err: BaseException) -> str:
 
 def check_factory(key: str, target: str, kwargs: dict[str, Any]) -> Any:
     """The factory `target` names, with `kwargs` checked against its signature."""
-    from training.models import resolve_target
+    from training.contract.calls import resolve_target
 
     try:
         factory = resolve_target(target)
@@ -160,7 +160,7 @@ def _item(dataset: Any, i: int, cfg: DataConfig) -> Any:
 def _collate(items: list[Any], cfg: DataConfig, dev: Any) -> Any:
     from torch.utils.data import default_collate
 
-    from training.models import to_device
+    from training.contract.calls import to_device
 
     try:
         return to_device(default_collate(items), dev)
@@ -170,7 +170,7 @@ def _collate(items: list[Any], cfg: DataConfig, dev: Any) -> Any:
 
 
 def _model(cfg: ModelConfig, seed: int, dev: Any) -> Any:
-    from training.models import NotAModule, build_model
+    from training.contract.calls import NotAModule, build_model
 
     try:
         with dev:
@@ -199,7 +199,7 @@ def _check_vocabulary(model: Any, dataset: Any, model_cfg: ModelConfig, data_cfg
 def _check_forward(model: Any, model_cfg: ModelConfig, data_cfg: DataConfig, batch: Any) -> None:
     import torch
 
-    from training.models import batch_loss, model_loss
+    from training.contract.calls import batch_loss, model_loss
 
     try:
         loss = batch_loss(model, batch, model_loss(model_cfg))
@@ -213,8 +213,10 @@ def _check_forward(model: Any, model_cfg: ModelConfig, data_cfg: DataConfig, bat
 
 def _declarations(model: Any, model_cfg: ModelConfig, data_cfg: DataConfig, dataset: Any, batch: Any,
                   params: int, checked_on: str) -> ContractFacts:
-    from training.models import tokens_per_sample
-    from training.models.spec import ContractError, find_blocks, model_spec, tp_divisors
+    from common.errors import ContractError
+    from training.contract.blocks import find_blocks
+    from training.contract.calls import tokens_per_sample
+    from training.contract.spec import model_spec, tp_divisors
     from training.parallel.chunks import composition_problem
 
     try:
