@@ -103,3 +103,28 @@ def test_auto_and_hybrid_are_declarations_not_names():
               if re.search(r"""(==|!=)\s*["'](auto|hybrid)["']|["'](auto|hybrid)["']\s*(==|!=)""", line)
               and "backend" not in line and "address" not in line and "dtype" not in line]
     assert tested == []
+
+
+def test_the_registry_is_every_module_of_the_package_in_the_declared_order():
+    """No list of built-in names to keep in step: every module of training/strategies/ is imported,
+    and the registry (the plan's tables and curves) follows each declaration's `listed`."""
+    import pkgutil
+
+    modules = {m.name for m in pkgutil.iter_modules(strategies.__path__)} - {"base"}
+    assert modules == set(strategies.names())
+    assert strategies.names() == ("ddp", "zero1", "zero2", "zero3", "tp", "pp", "hybrid", "auto")
+    assert strategies.pure() == ["ddp", "zero1", "zero2", "zero3", "tp", "pp"]
+
+
+def test_a_registered_strategy_takes_the_place_it_declares():
+    last = dataclasses.replace(TOY, name="toylast")
+    between = dataclasses.replace(TOY, name="toybetween", listed=3)
+    try:
+        strategies.register(last)
+        strategies.register(between)
+        names = strategies.names()
+        assert names[-1] == "toylast", "a declaration that says nothing comes last"
+        assert names[:5] == ("ddp", "zero1", "zero2", "toybetween", "zero3"), "listed=3 ties zero3: by name"
+    finally:
+        strategies.REGISTRY.pop("toylast", None)
+        strategies.REGISTRY.pop("toybetween", None)

@@ -54,6 +54,9 @@ class Strategy:
     any_layout: bool = False
     """It trains whatever degrees it is given (hybrid): the advisor names a layout that no pure
     strategy presets after it, with the degrees as overrides."""
+    listed: int = 100
+    """Its place in the registry, and so in the plan's tables and curves and every listing (the
+    data-parallel flavours first, simplest first; a strategy that says nothing comes last)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.shards) - set(SHARDABLE)
@@ -84,6 +87,9 @@ REGISTRY: dict[str, Strategy] = {}
 def register(strategy: Strategy) -> Strategy:
     """Add `strategy` (a module's one declaration); its YAML in conf/strategy/ makes it selectable."""
     REGISTRY[strategy.name] = strategy
+    ordered = sorted(REGISTRY.values(), key=lambda s: (s.listed, s.name))
+    REGISTRY.clear()
+    REGISTRY.update((s.name, s) for s in ordered)
     return strategy
 
 

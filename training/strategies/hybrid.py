@@ -7,4 +7,4 @@ from training.strategies.base import Strategy, register
 HYBRID = register(Strategy(
     name="hybrid", summary="any pp x dp_replicate x dp_shard x cp x tp (FSDP/HSDP, DDP, CP, TP and PP composed)",
     degrees={"dp_replicate": 1, "dp_shard": -1, "tp": 1, "pp": 1, "cp": 1}, wrapper=None, pure=False,
-    any_layout=True))
+    any_layout=True, listed=6))
