@@ -17,7 +17,7 @@ def global_batch(cfg: Config) -> int:
     from training.parallel.dims import resolve_dims
 
     dp = resolve_dims(cfg.strategy, cfg.nodes * cfg.procs_per_node).dp_size
-    return cfg.train.micro_batch_for(dp) * cfg.train.grad_accum * dp
+    return cfg.train.global_batch_for(dp)
 
 
 def requested_layout(cfg: Config) -> str:

@@ -20,7 +20,7 @@ from training.units import GIB
 if TYPE_CHECKING:
     from stages.bandwidth import BandwidthResult
     from stages.lr_find import LrFindResult
-    from stages.train import TrainResult
+    from stages.train_result import TrainResult
 
 
 def _axes() -> tuple[Any, Any]:

@@ -21,7 +21,7 @@ from pipelines.summary import RunSummary, SkipReason
 from reports import plots
 from stages.bandwidth import VERDICT_COLLECTIVE, BandwidthResult
 from stages.lr_find import LrFindResult
-from stages.train import TrainResult
+from stages.train_result import TrainResult
 from stages.trials import TrialsResult
 from training.config import DEGREES
 from training.units import GIB

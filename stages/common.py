@@ -30,11 +30,12 @@ class Workbench:
     dev: torch.device
 
 
-def workbench(model: ModelConfig, data: DataConfig, seed: int, tf32: bool = True) -> Workbench:
+def workbench(model: ModelConfig, data: DataConfig, seed: int, tf32: bool = True, blocks: int | None = None) -> Workbench:
     """The seeded model for this rank's device, what it declares, its loss and the data set. A
     model that declares its initialisation comes on the meta device (spec.pending): `parallelize`
     shards it, then gives this rank its shard; nothing holds the whole model. On CUDA, fp32
-    matmuls use TF32 unless `tf32` (train.tf32) is false."""
+    matmuls use TF32 unless `tf32` (train.tf32) is false. `blocks`: only the model's first blocks
+    (with its embeddings and head) are kept, the slice plan times of a model one device can't hold."""
     from training.budget import host_side
     from training.contract.calls import model_loss
     from training.data import build_dataset
@@ -45,6 +46,8 @@ def workbench(model: ModelConfig, data: DataConfig, seed: int, tf32: bool = True
     dev = device()
     set_tf32(dev, tf32)
     net, spec = build_on_device(model, seed, dev)
+    if blocks is not None:
+        spec.keep_first_blocks(blocks)
     with host_side():  # the data set lives in host memory, as on a GPU machine; batches go to the device
         dataset = build_dataset(data)
     return Workbench(net, spec, model_loss(model), dataset, dev)

@@ -86,15 +86,15 @@ def run(cfg: LrFindInputs) -> LrFindResult:
 
     from training.data import GlobalBatches, loader
     from training.lr_finder import range_test, suggest
-    from training.parallel.compose import build_optimizer, parallelize
+    from training.parallel.compose import trainable
     from training.step import optimizer_step
 
     finder = cfg.lr_find
     ranks = world_size()  # more than one: the model doesn't fit one device (the engine asked `smallest_world`)
     bench = workbench(cfg.model, cfg.data, cfg.seed, cfg.tf32)
     layout = StrategyConfig(name=SHARDED if ranks > 1 else "ddp", precision=cfg.precision)
-    parallel = parallelize(bench.model, bench.spec, layout, bench.dev, bench.loss)
-    optimizer = build_optimizer(parallel, finder.min_lr, cfg.weight_decay)
+    parallel, optimizer = trainable(bench.model, bench.spec, layout, bench.dev, bench.loss, finder.min_lr,
+                                    cfg.weight_decay)
     # The finder's batch, split over the ranks that hold the model: the same steps as on one device.
     rows = GlobalBatches(len(bench.dataset), cfg.batch // ranks, 1, parallel.dp_rank, ranks, cfg.seed)
     batches = iter(loader(bench.dataset, rows, 0, finder.num_iters, cfg.data.num_workers, bench.dev))

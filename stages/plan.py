@@ -223,7 +223,7 @@ def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult,
     if calibration is not None:
         hw = calibration.on_basis(hw)  # this plan's own timing stays in its rulers
     fields, reasons = advise_plan(cfg, anatomy, costs, hw, w, calibration)
-    target = micro * cfg.train.grad_accum * data_parallel_size(cfg)
+    target = cfg.train.global_batch_for(data_parallel_size(cfg))
     reasons += ruler_reasons(rulers, cfg, world) + [lr_reason(lr_find, target, cfg.train.warmup_steps)]
     if hw.shared is not None:
         reasons.append(hw.shared.describe())

@@ -10,7 +10,7 @@ from stages.bandwidth import BandwidthResult
 from stages.env_check import EnvResult
 from stages.lr_find import LrFindResult
 from stages.plan import PlanResult
-from stages.train import TrainResult
+from stages.train_result import TrainResult
 from training.memory import audit_table
 from training.profile import split_table
 from training.units import GIB

@@ -94,20 +94,17 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult, anatomy: Anatomy) -> Ru
     from training.dist import synchronize
     from training.memory import StepProbe, device_memory_bytes
     from training.overhead import measure_overheads
-    from training.parallel.compose import build_optimizer, parallelize
+    from training.parallel.compose import trainable
     from training.planner.anatomy import meta_memory_audit
     from training.step import optimizer_step
 
     micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
     blocks = sliced_to(cfg, micro)
-    bench = workbench(cfg.model, cfg.data, cfg.seed, cfg.train.tf32)
-    if blocks is not None:
-        bench.spec.keep_first_blocks(blocks)
+    bench = workbench(cfg.model, cfg.data, cfg.seed, cfg.train.tf32, blocks)
     model, dev = bench.model, bench.dev
     batch = to_device(first_samples(bench.dataset, micro), dev)
     audit = meta_memory_audit(cfg.model, cfg.seed, to_device(batch, torch.device("meta")), cfg.strategy.precision)
-    parallel = parallelize(model, bench.spec, step_strategy(cfg), dev, bench.loss)
-    optimizer = build_optimizer(parallel, 1e-4, 0.0)
+    parallel, optimizer = trainable(model, bench.spec, step_strategy(cfg), dev, bench.loss)
     clip = cfg.train.grad_clip
 
     def step(probe: StepProbe | None = None, held: list | None = None) -> None:
@@ -203,14 +200,12 @@ def _sliced_step_s(cfg: PlanInputs, blocks: int, micro: int) -> float:
     from training.contract.calls import to_device
     from training.data import first_samples
     from training.dist import synchronize
-    from training.parallel.compose import build_optimizer, parallelize
+    from training.parallel.compose import trainable
     from training.step import optimizer_step
 
-    bench = workbench(cfg.model, cfg.data, cfg.seed, cfg.train.tf32)
-    bench.spec.keep_first_blocks(blocks)
+    bench = workbench(cfg.model, cfg.data, cfg.seed, cfg.train.tf32, blocks)
     batch = to_device(first_samples(bench.dataset, micro), bench.dev)
-    parallel = parallelize(bench.model, bench.spec, step_strategy(cfg), bench.dev, bench.loss)
-    optimizer = build_optimizer(parallel, 1e-4, 0.0)
+    parallel, optimizer = trainable(bench.model, bench.spec, step_strategy(cfg), bench.dev, bench.loss)
 
     def step() -> None:
         optimizer_step(parallel, optimizer, [batch], 1, cfg.train.grad_clip, bench.dev)

@@ -52,16 +52,16 @@ def build_setting(model: ModelConfig, data: DataConfig, seed: int, strategy: Str
     import torch
 
     from training.data import GlobalBatches
+    from training.dist import world_size
     from training.loop import lr_lambda
-    from training.parallel.compose import build_optimizer, parallelize
+    from training.parallel.compose import trainable
+    from training.parallel.dims import resolve_dims
 
     bench = workbench(model, data, seed, train.tf32)
-    parallel = parallelize(bench.model, bench.spec, strategy, bench.dev, bench.loss)
-    dims = parallel.dims
-    batches = GlobalBatches(len(bench.dataset), train.micro_batch_for(dims.dp_size), train.grad_accum,
-                            parallel.dp_rank, dims.dp_size, seed)
-    lr, source = learning_rate(train, lr_find, batches.global_batch)
-    optimizer = build_optimizer(parallel, lr, train.weight_decay)
+    dp = resolve_dims(strategy, world_size()).dp_size
+    lr, source = learning_rate(train, lr_find, train.global_batch_for(dp))
+    parallel, optimizer = trainable(bench.model, bench.spec, strategy, bench.dev, bench.loss, lr, train.weight_decay)
+    batches = GlobalBatches(len(bench.dataset), train.micro_batch_for(dp), train.grad_accum, parallel.dp_rank, dp, seed)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train.warmup_steps, train.steps, train.schedule))
     return Setting(bench, parallel, batches, optimizer, scheduler, train, lr, source)
 

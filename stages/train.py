@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import os
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,22 +17,19 @@ from typing import TYPE_CHECKING, Any
 from stages.common import log, progress
 from stages.lr_find import LrFindResult
 from stages.plan import PlanResult
-from stages.prediction import PredictionCheck, check_prediction
+from stages.train_result import TrainResult, gathered, result
 from stages.trials import TrialsResult
 from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig
-from training.dist import gather_objects, rank, world_size
+from training.dist import world_size
 from training.memory import StepProbe
 from training.planner.advice import candidate_settings, one_device
-from training.planner.calibration import MeasuredStep
 from training.planner.fit import SHARDED
 from training.planner.ranking import Candidate
-from training.profile import StepProfiler, TimeSplit
-from training.sysmetrics import SystemSample, SystemSampler, node_id, sample_metrics
-from training.units import GIB
+from training.profile import StepProfiler
+from training.sysmetrics import SystemSampler, node_id
 
 if TYPE_CHECKING:
-    import torch
-
+    pass
 
 
 @dataclass(frozen=True)
@@ -75,148 +70,6 @@ def smallest_world(cfg: TrainInputs, budget_bytes: float, max_ranks: int) -> int
     return max_ranks
 
 
-@dataclass(frozen=True)
-class TrainResult:
-    strategy: str
-    strategy_from_plan: bool
-    """True when strategy=auto took the plan's recommendation."""
-    dims: list[int]
-    """Degrees dp_replicate, dp_shard, tp, pp (cp apart, below: summaries written before it read the same)."""
-    precision: str
-    activation_checkpointing: str
-    world_size: int
-    steps: int
-    resumed_from: int
-    """The checkpoint step this run resumed from (0: a fresh run)."""
-    final_loss: float
-    losses: list[float]
-    lrs: list[float]
-    lr: float
-    lr_source: str
-    global_batch: int
-    micro_batch: int
-    grad_accum: int
-    samples_per_s: float
-    tokens_per_s: float
-    samples_per_s_per_device: float
-    tokens_per_s_per_device: float
-    step_time_s: float
-    """The median timed step (samples_per_s is over the whole timed window)."""
-    baseline_samples_per_s: float
-    scaling_efficiency: float
-    """samples/s per device over the baseline's samples/s per device (weak scaling)."""
-    peak_memory_bytes: int
-    param_bytes: int
-    grad_bytes: int
-    optim_bytes: int
-    activation_bytes: int
-    memory_source: str
-    flops_per_sample: float
-    mfu_pct: float | None
-    """None where the device's peak FLOP/s is unknown (CPUs, unlisted GPUs)."""
-    device: str
-    ranks_in_sync: bool
-    """Ranks holding the same pipeline stage ended with bitwise-identical full parameters."""
-    bucket_allreduce_ms: list[float]
-    """strategy.time_buckets: each DDP bucket all-reduce's time to its completion, in order (CUDA:
-    on the device, from when the NCCL stream could start it; gloo: wall time from its launch)."""
-    prediction: PredictionCheck | None
-    """The plan's prediction for this run and its relative errors."""
-    time_split: list[TimeSplit]
-    """torch.profiler's split of a step into communication, matmul, memcpy and other (rank 0)."""
-    system: list[SystemSample]
-    """Each node's system metrics during the run (sampled by its local rank 0)."""
-    baseline_world_size: int = 1
-    """Ranks of the baseline it is measured against: 1, or the smallest world that holds the
-    model (zero3), for a model larger than one device."""
-    mfu_peak_precision: str | None = None
-    """The datasheet peak MFU divides by: `bf16`, `fp16`, or for fp32 `tf32` (train.tf32 on CUDA)
-    or `fp32`; None without MFU or when train.peak_flops sets the peak."""
-    cp: int = 1
-    """Context-parallel degree: the ranks each sequence was split over."""
-    ep: int = 1
-    """Expert-parallel degree: the ranks each MoE layer's experts were split over."""
-    expert_load: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    """Mixture-of-experts models: each MoE layer's routed slots per expert over the run's steps,
-    all ranks' tokens (training/models/moe.py); empty for a dense model."""
-    expert_imbalance: list[float] = dataclasses.field(default_factory=list)
-    """Per step from `expert_first_step`, the MoE layers' mean of busiest-expert slots over the mean
-    (1.0: balanced)."""
-    expert_rank_imbalance: dict[str, float] = dataclasses.field(default_factory=dict)
-    """For each expert-parallel degree that divides the experts ("2", "4", ...): the steps' mean of the
-    busiest rank's routed slots over the mean rank's, had the experts been split over that many
-    ranks (training/models/moe.py's rank_imbalance). A later plan's prediction stretches the
-    experts' compute by it (plan.calibrate)."""
-    expert_first_step: int = 1
-    """The first step the expert loads count: 2 under a pipeline, whose first step also runs torch's
-    shape inference through the experts; later for a resumed run."""
-
-    def metrics(self) -> list[tuple[str, float, int]]:
-        out = [("train/loss", loss, step) for step, loss in enumerate(self.losses, 1)]
-        out += [("train/lr", lr, step) for step, lr in enumerate(self.lrs, 1)]
-        # Samples seen as the step: runs of different world sizes line up on one axis.
-        out += [("train/loss_by_samples", loss, step * self.global_batch) for step, loss in enumerate(self.losses, 1)]
-        scalars = {
-            "train/final_loss": self.final_loss,
-            "train/samples_per_s": self.samples_per_s,
-            "train/tokens_per_s": self.tokens_per_s,
-            "train/samples_per_s_per_device": self.samples_per_s_per_device,
-            "train/tokens_per_s_per_device": self.tokens_per_s_per_device,
-            "train/step_time_ms": self.step_time_s * 1e3,
-            "train/baseline_samples_per_s": self.baseline_samples_per_s,
-            "train/scaling_efficiency": self.scaling_efficiency,
-            "train/world_size": float(self.world_size),
-            "memory/peak_gib": self.peak_memory_bytes / GIB,
-            "memory/param_bytes": float(self.param_bytes),
-            "memory/grad_bytes": float(self.grad_bytes),
-            "memory/optim_bytes": float(self.optim_bytes),
-            "memory/activation_bytes": float(self.activation_bytes),
-        }
-        if self.mfu_pct is not None:
-            scalars["train/mfu_pct"] = self.mfu_pct
-        if self.prediction is not None:
-            p = self.prediction
-            scalars.update({
-                "plan/predicted_step_time_ms": p.step_time_s * 1e3,
-                "plan/predicted_samples_per_s": p.samples_per_s,
-                "plan/predicted_scaling_efficiency": p.scaling_efficiency,
-                "plan/predicted_memory_gib": p.memory_bytes / GIB,
-                "plan/step_time_error_pct": p.step_time_error_pct,
-                "plan/samples_per_s_error_pct": p.samples_per_s_error_pct,
-                "plan/efficiency_error_pct": p.efficiency_error_pct,
-                "plan/memory_error_pct": p.memory_error_pct,
-            })
-        scalars.update({f"profile/{s.kind}_ms_per_step": s.ms_per_step for s in self.time_split})
-        if self.bucket_allreduce_ms:
-            scalars["comm/ddp_bucket_allreduce_ms_median"] = statistics.median(self.bucket_allreduce_ms)
-            out += [("comm/ddp_bucket_allreduce_ms", ms, i) for i, ms in enumerate(self.bucket_allreduce_ms)]
-        out += sample_metrics(self.system)
-        if self.expert_imbalance:
-            out += [("moe/imbalance", x, step) for step, x in enumerate(self.expert_imbalance, self.expert_first_step)]
-            scalars["moe/imbalance_mean"] = statistics.fmean(self.expert_imbalance)
-        scalars.update({f"moe/rank_imbalance_ep{ep}": x for ep, x in self.expert_rank_imbalance.items()})
-        # One chart per layer: the expert's index on the step axis, its slots as the value.
-        out += [(f"moe/load/{layer}", float(n), e) for layer, load in self.expert_load.items() for e, n in enumerate(load)]
-        return out + [(k, v, 0) for k, v in scalars.items()]
-
-    def measured_step(self) -> MeasuredStep | None:
-        """What calibration fits (pipelines/calibration.py): the measured step time beside the
-        uncalibrated components the plan predicted it from; None without a prediction."""
-        if self.prediction is None:
-            return None
-        return MeasuredStep(self.strategy, self.world_size, self.prediction.components, self.step_time_s,
-                            tuple((int(ep), x) for ep, x in self.expert_rank_imbalance.items()))
-
-    def headline(self) -> str:
-        mfu = f", MFU {self.mfu_pct:.1f} %" if self.mfu_pct is not None else ""
-        base = (f" against zero3 x{self.baseline_world_size} (the smallest world that holds the model)"
-                if 1 < self.baseline_world_size < self.world_size else "")
-        return (
-            f"{self.strategy} x{self.world_size}: loss {self.losses[0]:.3f} -> {self.final_loss:.3f}, "
-            f"{self.samples_per_s:.1f} samples/s, efficiency {self.scaling_efficiency:.2f}{base}{mfu}"
-        )
-
-
 class StepReporter:
     """Each logged step's loss and the samples/s since the previous one, as progress."""
 
@@ -229,15 +82,6 @@ class StepReporter:
         rate = (step - self.last_step) * self.global_batch / max(now - self.last_t, 1e-9)
         self.last_step, self.last_t = step, now
         progress("train", f"step {step}/{self.steps} loss {loss:.4f}, {rate:.1f} samples/s")
-
-
-def parameter_digest(model: torch.nn.Module) -> str:
-    """A hash of every parameter's full value (sharded ones gathered: a collective)."""
-    h = hashlib.sha256()
-    for p in model.parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        h.update(full.detach().float().cpu().numpy().tobytes())
-    return h.hexdigest()
 
 
 def resolve_strategy(strategy: StrategyConfig, train: TrainConfig, plan: PlanResult, trials: TrialsResult | None,
@@ -258,114 +102,86 @@ def resolve_strategy(strategy: StrategyConfig, train: TrainConfig, plan: PlanRes
     return (*candidate_settings(chosen, strategy, train, world), chosen)
 
 
-def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: TrialsResult | None,
-        baseline: TrainResult | None, checkpoints: Path) -> TrainResult:
-    # Here, not at the top: FSDP, pipelining and dynamo cost ~1 s to import, and the driver
-    # imports this module for TrainResult on every invocation, a fully cached one included.
-    from stages.setting import build_setting, run_setting
+@dataclass
+class Run:
+    """One train stage's run on this rank, set up: the setting, where it resumes, what it watches."""
+
+    strategy: StrategyConfig
+    train: TrainConfig
+    chosen: Candidate | None
+    """The plan's (or trials') candidate `auto` trains; None for a configured strategy."""
+    setting: Any
+    """stages.setting.Setting: the model parallelized, its batches, optimizer and schedule."""
+    layout: Any
+    """training.checkpoint.Layout: what a checkpoint of this run is resumable by."""
+    zero1: bool
+    resume: Any
+    """training.checkpoint.Resume, or None on a fresh start."""
+    profiler: StepProfiler | None
+    loads: Any
+    """training.models.moe.ExpertLoads: the routed tokens per expert, counted each step."""
+    skipped: int
+    """Steps whose expert loads are not counted (a pipeline's first infers shapes)."""
+
+    @property
+    def first(self) -> int:
+        return self.resume.step if self.resume else 0
+
+
+def setup(cfg: TrainInputs, plan: PlanResult, lr_find: LrFindResult, trials: TrialsResult | None,
+          baseline: TrainResult | None, checkpoints: Path) -> Run:
+    """The strategy resolved (auto: the plan's whole recommendation), the setting built, the
+    checkpoint it resumes from loaded, and the profiler and expert-load counters it runs with."""
+    from stages.setting import build_setting
     from training import checkpoint
-    from training.budget import stage_peak_bytes
-    from training.contract.calls import tokens_per_sample
-    from training.data import first_samples
-    from training.flops import peak_column, peak_flops
-    from training.loop import Hooks
-    from training.models.moe import ExpertLoads, merge_counts, rank_imbalance, step_imbalance
+    from training.models.moe import ExpertLoads
 
     sharded_baseline = baseline is None and cfg.world_size is not None and 1 < world_size() < cfg.world_size
     strategy, t, chosen = resolve_strategy(cfg.strategy, cfg.train, plan, trials, world_size(), sharded_baseline)
     setting = build_setting(cfg.model, cfg.data, cfg.seed, strategy, t, lr_find)
-    bench, parallel, batches, optimizer = setting.bench, setting.parallel, setting.batches, setting.optimizer
-    tokens = tokens_per_sample(first_samples(bench.dataset, 1))
-    dims = parallel.dims
-    layout = checkpoint.Layout(strategy.name, dims.world_size)
+    parallel = setting.parallel
+    layout = checkpoint.Layout(strategy.name, parallel.dims.world_size)
     zero1 = parallel.shard_optimizer and parallel.dp_group is not None
-    resume = checkpoint.load(checkpoints, parallel.model, optimizer, layout, zero1)
+    resume = checkpoint.load(checkpoints, parallel.model, setting.optimizer, layout, zero1)
     if resume:
         log("train", f"resumed from the checkpoint of step {resume.step}")
     first = resume.step if resume else 0
     # Profile between the memory-probed first step and the timed window, so neither is disturbed.
     count = min(t.profile_steps, t.timing_warmup - 1, t.steps - first - 1)
-    profiler = StepProfiler(first + 1, count, bench.dev) if count > 0 else None
-    skipped = 1 if dims.pp > 1 else 0  # a pipeline's first step (of each invocation) infers shapes too
-    loads = ExpertLoads({s.name: (s.module, s.n_experts) for s in parallel.expert_sites}, optimizer, skipped)
+    profiler = StepProfiler(first + 1, count, setting.bench.dev) if count > 0 else None
+    skipped = 1 if parallel.dims.pp > 1 else 0  # a pipeline's first step (of each invocation) infers shapes too
+    loads = ExpertLoads({s.name: (s.module, s.n_experts) for s in parallel.expert_sites}, setting.optimizer, skipped)
+    return Run(strategy, t, chosen, setting, layout, zero1, resume, profiler, loads, skipped)
+
+
+def train_steps(r: Run, checkpoints: Path, num_workers: int) -> tuple[Any, list]:
+    """The loop over the run's steps, checkpointed, probed and reported; with the node's system
+    metrics sampled beside it (local rank 0). Returns the loop's stats and the samples."""
+    from stages.setting import run_setting
+    from training import checkpoint
+    from training.loop import Hooks
+
+    s, t = r.setting, r.train
     sampling = t.system_metrics_s > 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0
     sampler = SystemSampler(t.system_metrics_s, node_id()) if sampling else contextlib.nullcontext()
     with sampler:
         hooks = Hooks(
-            on_log=StepReporter(t.steps, batches.global_batch, first),
+            on_log=StepReporter(t.steps, s.batches.global_batch, r.first),
             on_checkpoint=lambda step, losses, lrs: checkpoint.save(
-                checkpoints, step, parallel.model, optimizer, losses, lrs, layout, zero1),
-            probe=StepProbe(parallel.model, bench.dev),
-            profiler=profiler,
+                checkpoints, step, s.parallel.model, s.optimizer, losses, lrs, r.layout, r.zero1),
+            probe=StepProbe(s.parallel.model, s.bench.dev),
+            profiler=r.profiler,
         )
-        stats = run_setting(setting, cfg.data.num_workers, hooks, resume)
-    world = dims.world_size
-    samples_per_s = stats.timed_steps * batches.global_batch / stats.timed_seconds
-    base = baseline.samples_per_s if baseline is not None else samples_per_s
-    base_world = baseline.world_size if baseline is not None else world_size()
-    peak = peak_flops(bench.dev, strategy.precision, t.peak_flops, t.tf32)
-    per_device = samples_per_s / world
-    memory = stats.memory
-    # The median step: one stray slow step (another process, a page fault) doesn't move it;
-    # throughput above stays the whole window's.
-    step_time = statistics.median(stats.step_seconds) if stats.step_seconds else stats.timed_seconds / stats.timed_steps
-    efficiency = (samples_per_s / world) / (base / base_world)
-    stage = dims.coordinates(rank())["pp"] if world > 1 else 0
-    # The prediction is held against the highest rank's real peak where it is measured (a CPU
-    # budget's tracker, CUDA's allocator), else against the step's counted tensors.
-    peaks = [p for p in gather_objects(stage_peak_bytes()) if p is not None]
-    held_peak = max(peaks) if peaks else memory.peak_bytes
-    # Ranks that should hold the same parameters: the same pipeline stage, and the same experts.
-    holds = (stage, parallel.experts.ep_rank if parallel.experts is not None else 0)
-    digests = gather_objects((holds, parameter_digest(parallel.model)))
-    system = [x for node in gather_objects(sampler.samples if sampling else []) for x in node]
-    # Tensor-parallel ranks route the same tokens: one of them speaks for its group.
-    routed = merge_counts(gather_objects(loads.counts() if dims.coordinates(rank())["tp"] == 0 else {}))
-    return TrainResult(
-        strategy=strategy.name,
-        strategy_from_plan=chosen is not None,
-        dims=[dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp],
-        cp=dims.cp,
-        ep=strategy.ep,
-        precision=strategy.precision,
-        activation_checkpointing=strategy.activation_checkpointing,
-        world_size=world,
-        steps=t.steps,
-        resumed_from=resume.step if resume else 0,
-        final_loss=stats.losses[-1],
-        losses=stats.losses,
-        lrs=stats.lrs,
-        lr=setting.lr,
-        lr_source=setting.lr_source,
-        global_batch=batches.global_batch,
-        micro_batch=batches.micro,
-        grad_accum=t.grad_accum,
-        samples_per_s=samples_per_s,
-        tokens_per_s=samples_per_s * tokens,
-        samples_per_s_per_device=per_device,
-        tokens_per_s_per_device=per_device * tokens,
-        step_time_s=step_time,
-        baseline_samples_per_s=base,
-        baseline_world_size=base_world,
-        scaling_efficiency=efficiency,
-        peak_memory_bytes=memory.peak_bytes,
-        param_bytes=memory.param_bytes,
-        grad_bytes=memory.grad_bytes,
-        optim_bytes=memory.optim_bytes,
-        activation_bytes=memory.activation_bytes,
-        memory_source=memory.source,
-        flops_per_sample=plan.flops_per_sample,
-        mfu_pct=100 * plan.flops_per_sample * per_device / peak if peak else None,
-        mfu_peak_precision=peak_column(strategy.precision, t.tf32) if peak and t.peak_flops is None else None,
-        device=str(bench.dev),
-        bucket_allreduce_ms=parallel.bucket_timer.ms if parallel.bucket_timer is not None else [],
-        time_split=profiler.split if profiler is not None else [],
-        prediction=check_prediction(plan, chosen, strategy.name, world, step_time, samples_per_s, efficiency,
-                                    held_peak),
-        system=system,
-        ranks_in_sync=all(len({d for s, d in digests if s == k}) == 1 for k in {s for s, _ in digests}),
-        expert_load={layer: [sum(e) for e in zip(*steps, strict=True)] for layer, steps in routed.items()},
-        expert_imbalance=step_imbalance(routed),
-        expert_rank_imbalance=rank_imbalance(routed),
-        expert_first_step=first + skipped + 1,
-    )
+        stats = run_setting(s, num_workers, hooks, r.resume)
+    return stats, (sampler.samples if sampling else [])
+
+
+def run(cfg: TrainInputs, *, plan: PlanResult, lr_find: LrFindResult, trials: TrialsResult | None,
+        baseline: TrainResult | None, checkpoints: Path) -> TrainResult:
+    # Heavy imports stay inside the functions: FSDP, pipelining and dynamo cost ~1 s to import, and
+    # the driver imports this module for TrainResult on every invocation, a fully cached one included.
+    r = setup(cfg, plan, lr_find, trials, baseline, checkpoints)
+    stats, samples = train_steps(r, checkpoints, cfg.data.num_workers)
+    return result(r, cfg, plan, baseline, stats, gathered(r, stats, samples))
+
+

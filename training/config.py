@@ -283,6 +283,10 @@ class TrainConfig:
         if self.peak_flops is not None and self.peak_flops <= 0:
             raise ConfigError("peak_flops", self.peak_flops, "must be > 0, or null")
 
+    def global_batch_for(self, dp_size: int) -> int:
+        """Samples per optimizer step over `dp_size` data-parallel replicas."""
+        return self.micro_batch_for(dp_size) * self.grad_accum * dp_size
+
     def micro_batch_for(self, dp_size: int) -> int:
         """Per-rank micro-batch: `micro_batch`, or derived from a fixed `global_batch`."""
         if self.global_batch is None:

@@ -78,7 +78,7 @@ def measure_overheads(
     `model` comes prepared as the plan measures it (activation checkpointing already applied), so
     neither the bare step nor the wrappers apply it again."""
     from training.contract.spec import model_spec
-    from training.parallel.compose import build_optimizer, parallelize
+    from training.parallel.compose import trainable
     from training.step import optimizer_step
 
     def stepper(parallel: Parallel, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
@@ -105,19 +105,17 @@ def measure_overheads(
         if not usable:
             reason = "torch.distributed is up with other ranks: no one-rank mesh"
             return Overheads({}, 0.0, {s: reason for s in wanted} | not_measured)
-        plain = parallelize(model, model_spec(model, model_cfg), base, dev, loss)
-        bare = stepper(plain, build_optimizer(plain, 1e-4, 0.0))
+        bare = stepper(*trainable(model, model_spec(model, model_cfg), base, dev, loss))
         bare()  # the optimizer's state is allocated on the first step
         for strategy in wanted:
             try:  # a second copy of the model and its optimizer state must fit beside the first
                 net = copy.deepcopy(model)
-                parallel = parallelize(net, model_spec(net, model_cfg), dataclasses.replace(base, name=strategy), dev,
-                                       loss, probe=True)
-                wrapped = stepper(parallel, build_optimizer(parallel, 1e-4, 0.0))
+                wrapped = stepper(*trainable(net, model_spec(net, model_cfg), dataclasses.replace(base, name=strategy),
+                                             dev, loss, probe=True))
                 wrapped()
                 wrapped()  # warm: lazy initialisation (FSDP's, the reducer's) happens in the first steps
             except torch.OutOfMemoryError:
-                net = parallel = wrapped = None  # free what was built before trying the next
+                net = wrapped = None  # free what was built before trying the next
                 not_measured[strategy] = "no room for a second copy of the model on this device"
                 continue
             except ContractError as err:
@@ -129,5 +127,5 @@ def measure_overheads(
                 bare_times.append(plain_s)
                 diffs.append(median_step(wrapped) - plain_s)
             seconds[strategy] = max(statistics.median(diffs), 0.0)
-            del net, parallel, wrapped
+            del net, wrapped
     return Overheads(seconds, statistics.median(bare_times) if bare_times else 0.0, not_measured)

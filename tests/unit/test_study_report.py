@@ -10,7 +10,7 @@ from pipelines.configtools import to_jsonable
 from pipelines.summary import SUMMARY_VERSION, read_summary
 from reports.study import StudyRun, latest_per_point, regrets, study_runs, table_rows, table_text
 from stages.prediction import PredictionCheck
-from stages.train import TrainResult
+from stages.train_result import TrainResult
 from stages.trials import TrialsResult
 from training.planner.predict import Prediction
 from training.planner.ranking import Candidate

@@ -371,3 +371,18 @@ def clip_model_grads(model: nn.Module, max_norm: float, pp_group: dist.ProcessGr
     for group in groups:
         nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm
+
+
+TIMED_LR = 1e-4
+"""The learning rate of a step that is only timed or measured (plan's rulers, the overhead probe):
+AdamW's work does not depend on it."""
+
+
+def trainable(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev: torch.device, loss: LossFn,
+              lr: float = TIMED_LR, weight_decay: float = 0.0,
+              probe: bool = False) -> tuple[Parallel, torch.optim.Optimizer]:
+    """`model` made trainable by `strategy`: parallelized (`parallelize`) and its optimizer at `lr`
+    (`build_optimizer`). The one way a setting is set up wherever a step runs: train and trials
+    (stages/setting.py), lr_find's ramp, plan's timed step and the overhead probe."""
+    parallel = parallelize(model, spec, strategy, dev, loss, probe=probe)
+    return parallel, build_optimizer(parallel, lr, weight_decay)

@@ -16,7 +16,7 @@ from training.config import ModelConfig, StrategyConfig
 from training.contract.calls import build_model, model_loss
 from training.contract.spec import model_spec
 from training.memory import state_bytes
-from training.parallel.compose import build_optimizer, parallelize, resolve_dims
+from training.parallel.compose import TIMED_LR, build_optimizer, parallelize, resolve_dims
 from training.planner.memory import keeps_gathered
 from training.planner.shape import COMPUTE_BYTES
 from training.units import GIB
@@ -52,7 +52,7 @@ def rank_share(model_cfg: ModelConfig, strategy: StrategyConfig, world: int, ran
         spec = model_spec(model, model_cfg)
         parallel = parallelize(model, spec, strategy, torch.device("cpu"), model_loss(model_cfg), layout_only=True)
         dims = parallel.dims
-        optimizer = build_optimizer(parallel, 1e-4, 0.0)
+        optimizer = build_optimizer(parallel, TIMED_LR, 0.0)
         stored, _, optim = state_bytes(parallel.model, optimizer)
         held = stored
         if dims.uses_fsdp and keeps_gathered(strategy.name, strategy.reshard):
