@@ -87,12 +87,17 @@ def test_first_run_runs_every_stage(workspace):
     assert train["flops_per_sample"] == GPT_TINY_FLOPS_PER_SAMPLE
     assert stage["plan"]["result"]["flops_convention"] == "causal_half"
     assert train["mfu_pct"] == pytest.approx(100 * train["flops_per_sample"] * train["samples_per_s_per_device"] / 1e11)
-    # Every run is held against its prediction: memory to the goal of 10 %; step time, on a shared
-    # 2-core host where identical runs differ by a third and a neighbour's load can double a step,
-    # within 3.5x either way (a 4x error fails).
+    # Every run is held against the plan's prediction for what it trained (the requested layout's),
+    # the error as (measured - predicted) / measured. Memory to the goal of 10 %. How close the step
+    # time comes is judged by make bench, side by side (bench_planner: each point of ddp and zero3 at
+    # world 1, 2 and 4 against its 15 % goal; 1.0-1.6x measured/predicted there); an 8-step run on a
+    # shared 2-core host, where a neighbour's load can double a step, is held to 2.5x either way.
     check = train["prediction"]
+    assert check["step_time_s"] == pytest.approx(stage["plan"]["result"]["requested"]["step_time_s"])
+    measured = train["step_time_s"]
+    assert check["step_time_error_pct"] == pytest.approx(100 * (measured - check["step_time_s"]) / measured)
     assert abs(check["memory_error_pct"]) < 10
-    assert 1 / 3.5 < check["step_time_s"] / train["step_time_s"] < 3.5
+    assert 1 / 2.5 < check["step_time_s"] / measured < 2.5
     report = cwd / "runs/first/report"
     text = (report / "report.md").read_text()
     facts = dict(re.findall(r"^\| ([^|]+?) \| ([^|]+?) \|$", text.split("## Plan")[0], re.M))

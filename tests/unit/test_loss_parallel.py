@@ -19,7 +19,7 @@ from training.parallel.dims import ParallelDims
 from training.planner.comm import comm_time
 from training.planner.memory import activation_memory, params_per_rank
 from training.planner.shape import Activations, Shape
-from training.planner.workload import LOSS_PARALLEL_TEMPS, Workload
+from training.planner.workload import Workload
 
 V, H = 512, 64
 GPT = ModelConfig(name="gpt", kwargs=dict(vocab_size=V, d_model=H, n_layers=2, n_heads=4, seq_len=16))
@@ -125,7 +125,7 @@ def test_tp_splits_the_heads_logits_and_the_losss_temporaries_with_the_head():
     """Per sample at tp=4: whole 600 - 100 (logits) - 200 (temporaries) = 300; split (1000 - 200 -
     300) / 4 = 125; the temporaries three copies of the rank's share, 200 x 1.5 / 4 = 75."""
     d = ParallelDims(tp=4)
-    assert activation_memory(_workload(), d) == pytest.approx(2 * (300 + 125 + 200 * LOSS_PARALLEL_TEMPS / 4))
+    assert activation_memory(_workload(), d) == pytest.approx(2 * (300 + 125 + 75))
     whole = dataclasses.replace(_workload(), shape=dataclasses.replace(SHAPE, head_params=0))
     assert activation_memory(whole, d) == pytest.approx(2 * (600 + 400 / 4))
     assert _workload().loss_temps(ParallelDims()) == 200, "at tp=1 the fused kernels' two copies"
