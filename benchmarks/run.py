@@ -136,9 +136,9 @@ def bench_planner() -> list[Row]:
     a third) and predicted three ways: by the model alone; by plan.calibrate=true with every
     point measured (the real path: MLflow history, median of each point's runs); and by a
     calibration fitted to the five other points only, a prediction for a run never measured."""
-    from pipelines.calibration import measured_step, settle
+    from pipelines.calibration import measured_step
     from pipelines.summary import read_summary
-    from training.planner.calibration import fit_calibration
+    from training.planner.calibration import fit_calibration, settle
 
     rows, measured = [], {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -5,21 +5,20 @@ same launcher with the same precision: then the cost model's components for one 
 measured step time say how far the model is off for the other. Every invocation's MLflow run is
 tagged with that fingerprint (`calibration_key`); the tracker (pipelines/tracking.py) finds the
 finished ones and hands their summaries to `history`, and the runner hands the plan stage the
-measured steps as its `history`.
+measured steps as its `history`. Which of them count (each point's first few, settled) is the
+planner's rule: training/planner/calibration.py `settle`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import statistics
 from typing import Any, Protocol, runtime_checkable
 
 from pipelines.configtools import to_jsonable
 from pipelines.placement import Placement
 from pipelines.summary import RunSummary
-from training.planner.calibration import MeasuredStep
+from training.planner.calibration import MeasuredStep, settle
 from training.planner.predict import COSTMODEL_VERSION
 
 
@@ -62,26 +61,8 @@ def measured_step(summary: RunSummary) -> MeasuredStep | None:
     return None
 
 
-HISTORY_REPEATS = 3
-"""Measurements of one (strategy, devices) the history takes the median of: a host that drifts
-by a third between identical runs (this repo's CI machine does) shouldn't be judged by one."""
-
-
 def history(summaries: list[RunSummary]) -> list[MeasuredStep]:
     """The settled history (settle) of earlier invocations' summaries, oldest first."""
     return settle([step for summary in summaries if (step := measured_step(summary)) is not None])
 
 
-def settle(steps: list[MeasuredStep]) -> list[MeasuredStep]:
-    """Each (strategy, devices) in `steps` (oldest first): the median of its first HISTORY_REPEATS
-    measured step times, beside the first one's components, in a fixed order. The first ones, not
-    the latest: the history must settle, or every re-run would see a new history, re-plan, and so
-    retrain (train is keyed on the plan's result)."""
-    points: dict[tuple[str, int], list[MeasuredStep]] = {}
-    for step in steps:
-        seen = points.setdefault((step.strategy, step.devices), [])
-        # A cached train reports its earlier measurement again: that is no new measurement.
-        if len(seen) < HISTORY_REPEATS and all(s.measured_step_s != step.measured_step_s for s in seen):
-            seen.append(step)
-    return [dataclasses.replace(points[k][0], measured_step_s=statistics.median(s.measured_step_s for s in points[k]))
-            for k in sorted(points)]

@@ -332,8 +332,7 @@ def test_the_strategy_overhead_is_on_the_critical_path_and_time_shares_a_cpu_hos
 
 
 def test_the_history_is_the_median_of_each_points_first_three_measurements_and_then_settles():
-    from pipelines.calibration import settle
-    from training.planner.calibration import MeasuredStep
+    from training.planner.calibration import MeasuredStep, settle
     from training.planner.step import StepPrediction
 
     def run(strategy, devices, ms):
