@@ -103,10 +103,10 @@ def precheck(argv: list[str]) -> None:
             try:
                 composed = compose(config_name="config", overrides=own)
                 cfg = load(OmegaConf.to_container(composed, resolve=True))
-                if cfg.pipeline.reads_study:  # an unknown study: one line before Hydra writes
-                    from pipelines.study import find_study
+                if cfg.pipeline.precheck:  # e.g. an unknown study: one line before Hydra writes
+                    from common.functions import import_function
 
-                    find_study(cfg.tracking.uri, cfg.study)
+                    import_function(cfg.pipeline.precheck)(cfg)
             except ConfigError as err:
                 raise UserError(str(err)) from None
             except Exception as err:  # noqa: BLE001 - composition errors are user errors

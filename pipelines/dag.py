@@ -9,13 +9,13 @@ nodes do, instead of mid-run.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import typing
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from common.errors import ConfigError
+from common.functions import import_function
 from pipelines.schema import PipelineConfig, StageSpec
 
 RESERVED = ("artifacts", "checkpoints", "baseline", "history")
@@ -96,9 +96,8 @@ def _load(name: str, spec: StageSpec, pipeline: PipelineConfig) -> Stage:
             raise ConfigError(f"{key}.needs", dep, f"is not a stage; stages: {', '.join(pipeline.stages)}")
         if dep == name:
             raise ConfigError(f"{key}.needs", dep, "a stage cannot depend on itself")
-    module_name, _, attr = spec.fn.partition(":")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
+        fn = import_function(spec.fn)
     except (ImportError, AttributeError) as err:
         raise ConfigError(f"{key}.fn", spec.fn, f"cannot be imported ({err})") from None
     inputs, result_type = _check_signature(name, spec, fn)

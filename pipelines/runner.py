@@ -7,7 +7,6 @@ a stage sees its own frozen config and its upstream results, nothing else.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import time
 import traceback
@@ -16,6 +15,7 @@ from typing import Any, TextIO
 
 from common.errors import ConfigError
 from common.files import write_atomic
+from common.functions import import_function
 from pipelines.cache import Cache, Entry, digest, stage_key, targets_code
 from pipelines.calibration import calibration_key
 from pipelines.configtools import flatten, to_jsonable
@@ -199,9 +199,7 @@ class Runner:
         budget = self._memory_budget()
         if stage.spec.fits is None or budget is None:
             return 1
-        module, _, name = stage.spec.fits.partition(":")
-        fits = getattr(importlib.import_module(module), name)
-        return fits(stage_inputs(stage, self.cfg), budget * GIB, self.world.size)
+        return import_function(stage.spec.fits)(stage_inputs(stage, self.cfg), budget * GIB, self.world.size)
 
     def _ranks(self, ranks: int) -> WorldSpec:
         """`ranks` of this invocation's workers, filling a node before the next."""

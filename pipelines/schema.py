@@ -72,9 +72,12 @@ class PipelineConfig:
     stages: dict[str, StageSpec] = field(default_factory=dict)
     """The stages by name, in any order; the DAG comes from `needs` and `after`."""
     reads_study: bool = False
-    """Its input is a study already in MLflow (`study=`, `tracking=mlflow`), checked before anything
-    is written; its invocation is a reading of that study (MLflow tag kind=study-reading), not a
-    point of it."""
+    """Its input is a study already in MLflow (`study=`, `tracking=mlflow`): its invocation is a
+    reading of that study (MLflow tag kind=study-reading), not a point of it."""
+    precheck: str | None = None
+    """`module:function` the CLI calls with the loaded config before anything is written or
+    launched; a ConfigError it raises is the invocation's one line (compare: that the study exists,
+    reports.studies:check_study)."""
 
 
 @dataclass(frozen=True)

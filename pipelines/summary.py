@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import sys
 import typing
 from collections.abc import Iterable
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar
 
+from common.functions import import_function
 from pipelines.configtools import from_dict
 from pipelines.paths import CONF_DIR
 
@@ -150,9 +150,8 @@ class RunSummary:
 def result_type(fn: str) -> type:
     """The dataclass the stage function `module:function` returns, from its return annotation.
     Imported when first asked: the stage modules import torch only when they run."""
-    module, _, name = fn.partition(":")
     try:
-        returns = typing.get_type_hints(getattr(importlib.import_module(module), name)).get("return")
+        returns = typing.get_type_hints(import_function(fn)).get("return")
     except (ImportError, AttributeError, NameError) as err:
         raise ValueError(f"stage function {fn!r} cannot be imported ({err})") from None
     if not dataclasses.is_dataclass(returns):

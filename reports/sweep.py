@@ -14,7 +14,7 @@ from hydra.experimental.callback import Callback
 
 from common.errors import ConfigError
 from pipelines.schema import TrackingConfig
-from pipelines.study import summaries_from_mlflow, summaries_from_sweep
+from reports.studies import summaries_from_mlflow, summaries_from_sweep
 
 REPORT_DIR = "study"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.schema import TrackingConfig
-from pipelines.study import summaries_from_mlflow
+from reports.studies import summaries_from_mlflow
 from reports.study import study_runs, write_study_report
 
 
