@@ -119,7 +119,7 @@ class Run:
     """training.checkpoint.Resume, or None on a fresh start."""
     profiler: StepProfiler | None
     loads: Any
-    """training.models.moe.ExpertLoads: the routed tokens per expert, counted each step."""
+    """training.contract.experts.ExpertLoads: the routed tokens per expert, counted each step."""
     skipped: int
     """Steps whose expert loads are not counted (a pipeline's first infers shapes)."""
 
@@ -134,7 +134,7 @@ def setup(cfg: TrainInputs, plan: PlanResult, lr_find: LrFindResult, trials: Tri
     checkpoint it resumes from loaded, and the profiler and expert-load counters it runs with."""
     from stages.setting import build_setting
     from training import checkpoint
-    from training.models.moe import ExpertLoads
+    from training.contract.experts import ExpertLoads
 
     sharded_baseline = baseline is None and cfg.world_size is not None and 1 < world_size() < cfg.world_size
     strategy, t, chosen = resolve_strategy(cfg.strategy, cfg.train, plan, trials, world_size(), sharded_baseline)

@@ -89,14 +89,14 @@ class TrainResult:
     """Expert-parallel degree: the ranks each MoE layer's experts were split over."""
     expert_load: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     """Mixture-of-experts models: each MoE layer's routed slots per expert over the run's steps,
-    all ranks' tokens (training/models/moe.py); empty for a dense model."""
+    all ranks' tokens (training/contract/experts.py); empty for a dense model."""
     expert_imbalance: list[float] = dataclasses.field(default_factory=list)
     """Per step from `expert_first_step`, the MoE layers' mean of busiest-expert slots over the mean
     (1.0: balanced)."""
     expert_rank_imbalance: dict[str, float] = dataclasses.field(default_factory=dict)
     """For each expert-parallel degree that divides the experts ("2", "4", ...): the steps' mean of the
     busiest rank's routed slots over the mean rank's, had the experts been split over that many
-    ranks (training/models/moe.py's rank_imbalance). A later plan's prediction stretches the
+    ranks (training/contract/experts.py's rank_imbalance). A later plan's prediction stretches the
     experts' compute by it (plan.calibrate)."""
     expert_first_step: int = 1
     """The first step the expert loads count: 2 under a pipeline, whose first step also runs torch's
@@ -192,7 +192,7 @@ class Gathered:
 def gathered(r: Run, stats: Any, samples: list) -> Gathered:
     """Every rank's peak memory, parameter digest, system samples and routed-token counts."""
     from training.budget import stage_peak_bytes
-    from training.models.moe import merge_counts
+    from training.contract.experts import merge_counts
 
     parallel = r.setting.parallel
     dims = parallel.dims
@@ -213,9 +213,9 @@ def result(r: Run, cfg: TrainInputs, plan: PlanResult, baseline: TrainResult | N
     """The run's result: throughput and efficiency against its baseline, memory, MFU, the plan's
     prediction held against it, and what the ranks reported."""
     from training.contract.calls import tokens_per_sample
+    from training.contract.experts import rank_imbalance, step_imbalance
     from training.data import first_samples
     from training.flops import peak_column, peak_flops
-    from training.models.moe import rank_imbalance, step_imbalance
 
     s, t, strategy = r.setting, r.train, r.strategy
     bench, parallel, batches = s.bench, s.parallel, s.batches

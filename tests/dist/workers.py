@@ -104,7 +104,7 @@ def ep_against_transformers(family: str) -> object:
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
     from training.config import ModelConfig
-    from training.models.moe import local_part
+    from training.contract.experts import local_part
     from training.contract.spec import model_spec
     from training.parallel.dims import ParallelDims
     from training.parallel.ep import apply_ep, expert_groups

@@ -49,7 +49,7 @@ def test_a_model_that_declares_nothing_is_built_whole_on_the_host():
 def test_a_checkpoint_tensor_is_read_block_by_block(tmp_path):
     from safetensors.torch import save_file
 
-    from training.models.weights import Weights
+    from training.contract.weights import Weights
 
     full = torch.arange(24.0).reshape(6, 4)
     save_file({"w": full, "b": torch.ones(4)}, str(tmp_path / "model.safetensors"))

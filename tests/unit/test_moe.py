@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from training.contract.experts import LoadCounter, load_imbalance
 from training.models.gpt import build
-from training.models.moe import LoadCounter, MoE, load_imbalance
+from training.models.moe import MoE
 from training.planner.counting import FlopCount
 
 D, HIDDEN, E = 8, 16, 4
@@ -158,7 +159,7 @@ def test_the_counting_experts_forward_computes_what_transformers_does():
     on real values: the same output and the same gradients."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from training.models.hf import count_experts_as_routed
+    from training.contract.hf import count_experts_as_routed
 
     config = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)

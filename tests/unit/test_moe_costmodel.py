@@ -11,9 +11,9 @@ import torch
 
 from training.config import ModelConfig
 from training.contract.calls import build_model, model_loss
+from training.contract.experts import rank_imbalance, step_imbalance
 from training.contract.spec import model_spec
 from training.data import first_samples, markov
-from training.models.moe import rank_imbalance, step_imbalance
 from training.parallel.dims import ParallelDims
 from training.planner.anatomy import measure_anatomy
 from training.planner.calibration import MeasuredStep, measured_imbalance

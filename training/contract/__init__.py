@@ -10,5 +10,10 @@ planner import the contract, not a folder of models.
   Face's style (`base_model_tp_plan`, `sp_plan`, `base_model_ep_plan`) resolved to module names,
   the experts they name and the widths TP divides. A model that breaks the contract is refused
   with common.errors.ContractError.
+- experts: the routed slots grouped by expert (the built-in MoE layer's and expert parallelism's
+  dispatch), and each expert's slots counted step by step (train's load imbalance).
+- hf: how a Hugging Face model meets the contract beyond its declarations (a pipeline stage's
+  forward, its experts counted as routed on the meta device).
+- weights: a checkpoint read tensor by tensor, shard by shard (a factory's `weights_dir`).
 - check: the user's model and data checked before any rank starts (ContractFacts).
 """

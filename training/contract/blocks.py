@@ -163,7 +163,7 @@ def _hf_layout(model: nn.Module, container: str | None) -> PipelineLayout | None
     if missing:
         raise ContractError(f"{type(config).__name__}.base_model_pp_plan names {missing[0]!r}, which "
                             f"{type(model).__name__} does not have")
-    from training.models.hf import stage_forward
+    from training.contract.hf import stage_forward
 
     return PipelineLayout(container, first, last, f"{type(config).__name__}.base_model_pp_plan",
                           placeholders=True, stage_forward=stage_forward)

@@ -16,7 +16,7 @@ The parallel code (training/parallel/) reads these and names no module of any mo
   the base model's parts in forward order (those before the blocks' container only the first stage
   keeps, those after it only the last), the model class's `_pp_plan` its head (the last stage's);
   a stage's missing parts become pass-through placeholders, since Hugging Face's forward calls
-  them all, and its forward is adapted (training/models/hf.py: token ids in on the first stage,
+  them all, and its forward is adapted (training/contract/hf.py: token ids in on the first stage,
   hidden states as `inputs_embeds` on the others, a tensor out).
 - **expert-parallel plan**: module-name patterns in Hugging Face's `base_model_ep_plan` words, from
   `model.ep_plan`, else the model's `config.base_model_ep_plan` (relative to its base model) or

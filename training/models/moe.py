@@ -24,11 +24,12 @@ spread evenly over the experts, so FLOPs count the active parameters, top-k expe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from training.contract.experts import group_by_expert, local_part
 
 
 class AddAuxiliaryLoss(torch.autograd.Function):
@@ -72,46 +73,6 @@ class GroupedExperts(nn.Module):
         # meta device - where the plan counts a 256-expert layer - is most of the forward's time.
         hidden = F.gelu(torch.cat([chunk @ w1[e] for e, chunk in enumerate(x.split(counts))]))
         return torch.cat([chunk @ w2[e] for e, chunk in enumerate(hidden.split(counts))])
-
-
-def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (split experts, their gradients); a plain tensor as it is."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-@dataclass(frozen=True)
-class Slots:
-    """A layer's routed slots (token-major: token i's k slots are i*k ... i*k+k-1) grouped by expert."""
-
-    order: torch.Tensor
-    """The kept slots, by expert, in token order within each expert's group (a stable sort: routing
-    is deterministic given the weights)."""
-    counts: list[int]
-    """Kept slots per expert, in expert order."""
-    top_k: int
-
-    @property
-    def token(self) -> torch.Tensor:
-        """The token each grouped slot carries."""
-        return torch.div(self.order, self.top_k, rounding_mode="floor")
-
-    def combine(self, routed: torch.Tensor, top_k_weights: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Each token's weighted sum of what its kept slots came back with (`routed`, by expert)."""
-        weight = top_k_weights.reshape(-1)[self.order].unsqueeze(-1).to(routed.dtype)
-        return torch.zeros_like(tokens).index_add(0, self.token, (routed * weight).to(tokens.dtype))
-
-
-def group_by_expert(top_k_index: torch.Tensor, n_experts: int, tokens: torch.Tensor) -> Slots:
-    """The slots of `top_k_index` (tokens x k; the index `n_experts` marks a dropped slot) grouped by
-    expert. On the meta device (no router values) the slots are spread evenly over the experts."""
-    flat = top_k_index.reshape(-1)
-    k = top_k_index.shape[-1]
-    if tokens.is_meta:
-        share, rest = divmod(flat.numel(), n_experts)
-        return Slots(torch.arange(flat.numel(), device=flat.device), [share + (i < rest) for i in range(n_experts)], k)
-    kept = torch.nonzero(flat < n_experts).squeeze(-1)
-    order = kept[flat[kept].argsort(stable=True)]
-    return Slots(order, torch.bincount(flat[kept], minlength=n_experts).tolist(), k)
 
 
 class MoE(nn.Module):
@@ -159,123 +120,3 @@ class MoE(nn.Module):
         return torch.where(place <= capacity, flat, self.n_experts).reshape(chosen.shape)
 
 
-def load_imbalance(tokens_per_expert: torch.Tensor | list[int]) -> float:
-    """The most loaded expert's slots over the mean (1.0: balanced): what bounds an expert-parallel
-    step, which waits for its busiest expert."""
-    load = torch.as_tensor(tokens_per_expert, dtype=torch.float64)
-    return float(load.max() / load.mean()) if load.sum() > 0 else 1.0
-
-
-WRAPPERS = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-"""Prefixes DDP, torch.compile and checkpointing add to module names: stripped, so every rank and
-layout names a layer as the model does."""
-
-
-def layer_name(name: str) -> str:
-    for wrapper in WRAPPERS:
-        name = name.replace(wrapper, "")
-    return name
-
-
-class LoadCounter:
-    """The routed slots per expert an experts module (one named by the model's expert plan:
-    training/contract/spec.py) was sent since the last `take()`, on the device: a forward pre-hook
-    reads its `top_k_index`, so every MoE family is counted alike. Each forward counts once
-    (micro-batches, pipeline microbatches add up); checkpointing's recomputation in backward does
-    not count again; dropped slots (the index n_experts) do not count."""
-
-    def __init__(self, module: nn.Module, n_experts: int):
-        self.n_experts = n_experts
-        self.load: torch.Tensor | None = None
-        self.device = next(module.parameters()).device
-        self.handle = module.register_forward_pre_hook(self._count, with_kwargs=True)
-
-    def _count(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        index = args[1] if len(args) > 1 else kwargs["top_k_index"]
-        if index.is_meta or torch._C._current_graph_task_id() != -1:  # meta, or recomputed inside backward
-            return
-        index = index.reshape(-1)
-        load = torch.bincount(index[index < self.n_experts], minlength=self.n_experts)
-        self.load = load if self.load is None else self.load + load
-
-    def take(self) -> torch.Tensor:
-        """The slots per expert since the last call (zeros if no forward ran), and reset."""
-        load = self.load if self.load is not None else torch.zeros(self.n_experts, dtype=torch.long, device=self.device)
-        self.load = None
-        return load
-
-
-class ExpertLoads:
-    """Each experts module's routed slots per expert, step by step, on this rank: collected after
-    every optimizer step (a step post-hook, so the loop is untouched) and kept on the device until
-    `counts()` reads them once, at the end of the run. `experts`: name -> (module, its experts)."""
-
-    def __init__(self, experts: dict[str, tuple[nn.Module, int]], optimizer: torch.optim.Optimizer, skip: int = 0):
-        self.layers = {layer_name(name): LoadCounter(module, n) for name, (module, n) in experts.items()}
-        self.steps: list[torch.Tensor] = []
-        self.skip = skip
-        """Steps whose loads are dropped: a pipeline's first step also runs torch's shape-inference
-        forward (on placeholder activations after the first stage), whose routing is not the model's."""
-        if self.layers:
-            optimizer.register_step_post_hook(self._after_step)
-
-    def _after_step(self, *_: object) -> None:
-        loads = torch.stack([c.take() for c in self.layers.values()])
-        if self.skip:
-            self.skip -= 1
-            return
-        self.steps.append(loads)
-
-    def counts(self) -> dict[str, list[list[int]]]:
-        """Layer name -> per step, the slots each expert took on this rank (a host sync)."""
-        if not self.steps:
-            return {}
-        per_step = torch.stack(self.steps).cpu()  # steps x layers x experts
-        return {name: per_step[:, i].tolist() for i, name in enumerate(self.layers)}
-
-
-def merge_counts(per_rank: list[dict[str, list[list[int]]]]) -> dict[str, list[list[int]]]:
-    """The ranks' counts summed by layer (ranks that saw different tokens: pass one rank per group
-    of ranks that routed the same tokens, e.g. tensor-parallel rank 0)."""
-    merged: dict[str, list[list[int]]] = {}
-    for counts in per_rank:
-        for name, steps in counts.items():
-            if name not in merged:
-                merged[name] = [list(s) for s in steps]
-            else:
-                merged[name] = [[a + b for a, b in zip(x, y, strict=True)] for x, y in zip(merged[name], steps, strict=True)]
-    return merged
-
-
-def step_imbalance(counts: dict[str, list[list[int]]], ranks: int | None = None) -> list[float]:
-    """Per step, the layers' mean of busiest-over-mean: each layer's experts wait for its busiest
-    one; with `ranks`, each layer's experts split into that many contiguous groups (expert
-    parallelism's ranks, training/parallel/ep.py), each group's slots summed: the ranks wait for the
-    busiest."""
-    if not counts:
-        return []
-    layers = list(counts.values())
-
-    def grouped(load: list[int]) -> list[int]:
-        size = len(load) // ranks if ranks else 1
-        return [sum(load[i:i + size]) for i in range(0, len(load), size)]
-
-    return [sum(load_imbalance(grouped(layer[step])) for layer in layers) / len(layers)
-            for step in range(len(layers[0]))]
-
-
-def rank_imbalance(counts: dict[str, list[list[int]]]) -> dict[str, float]:
-    """For each expert-parallel degree > 1 that divides every layer's experts, the steps' mean of
-    step_imbalance over that many ranks (keyed by the degree as text, as JSON keeps it): what the
-    cost model stretches an expert-parallel step by. Routing does not depend on the layout, so a run
-    of any layout measures every degree."""
-    if not counts:
-        return {}
-    experts = {len(steps[0]) for steps in counts.values() if steps}
-    degrees = [ep for ep in range(2, min(experts, default=0) + 1) if all(n % ep == 0 for n in experts)]
-    out = {}
-    for ep in degrees:
-        per_step = step_imbalance(counts, ep)
-        if per_step:
-            out[str(ep)] = sum(per_step) / len(per_step)
-    return out

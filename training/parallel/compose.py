@@ -24,8 +24,8 @@ from training import strategies
 from training.config import StrategyConfig
 from training.contract.calls import Batch, LossFn, forward
 from training.contract.spec import ExpertSite, ModelSpec
+from training.contract.weights import Weights
 from training.dist import is_dist, rank, world_size
-from training.models.weights import Weights
 from training.parallel.ac import apply_ac
 from training.parallel.chunks import chunk_blocks, each, parts
 from training.parallel.cp import ContextParallel

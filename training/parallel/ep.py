@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from training.contract.experts import group_by_expert, local_part
 from training.contract.spec import ExpertSite
-from training.models.moe import group_by_expert, local_part
 from training.parallel.dims import ParallelDims
 
 

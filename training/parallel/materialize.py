@@ -28,7 +28,7 @@ from torch import nn
 
 from training.config import ModelConfig
 from training.contract.spec import ModelSpec
-from training.models.weights import Weights
+from training.contract.weights import Weights
 
 InitFn = Callable[[nn.Module], None]
 

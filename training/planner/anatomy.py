@@ -199,7 +199,7 @@ def build_on_meta(cfg: ModelConfig, seed: int, precision: str = "fp32",
     """The model at its real shape on the meta device (nothing allocated), in `precision` as the
     trainer runs it (low-precision parameters, floating inputs cast at its entry:
     training/parallel/precision.py) and with `checkpointing`."""
-    from training.models.hf import count_experts_as_routed
+    from training.contract.hf import count_experts_as_routed
     from training.parallel.ac import apply_ac
     from training.parallel.precision import apply_low_precision
 
