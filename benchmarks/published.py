@@ -312,7 +312,7 @@ OUT_OF_REACH = (
      "trillion tokens (1,543 tokens/s per GPU)",
      "https://arxiv.org/abs/2412.19437",
      "its layout is outside what the trainer builds and so outside the search: ZeRO-1's sharded optimizer with "
-     "experts split over ranks is refused (training/parallel/dims.py), and so is ep with context parallelism; "
+     "experts split over ranks is refused (training/parallel/dims.py); "
      "`model=gpt-moe-v3` has its shape without multi-head latent attention, the shared expert, the 3 dense first "
      "layers or multi-token prediction; there is no H800 preset (its NVLink is 400 GB/s); DualPipe is not among "
      "the schedules. Its what-if at 2,048 H100s (`model=gpt-moe-v3 nodes=256 train.global_batch=16384`) is in "

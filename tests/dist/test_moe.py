@@ -49,21 +49,39 @@ def test_experts_split_over_2_ranks_match_one_process(name):
     assert two.param_bytes < one.param_bytes, "each rank holds half of the experts"
 
 
+@pytest.mark.parametrize("name", ["ddp", "zero3"])
+def test_experts_split_over_the_two_halves_of_each_sequence_match_one_process(name):
+    """cp=2 x ep=2 at world 2: each rank holds half of each sequence (context parallelism) and half
+    of the experts; ep is carved out of the CP ranks, which see different tokens of the same
+    samples. Each rank routes its half of the tokens to the experts' ranks; the experts' gradients
+    are divided by dp x cp = 2, as DDP (over the CP ranks) and FSDP (over dp_shard x cp) average
+    the rest."""
+    one, two = run(StrategyConfig(name="ddp"), 1, MOE), run(StrategyConfig(name=name, cp=2, ep=2), 2, MOE)
+    assert (two.cp, two.ep, two.global_batch) == (2, 2, one.global_batch)
+    assert two.losses == pytest.approx(one.losses, **TOL)
+    assert two.ranks_in_sync
+    assert two.expert_load == one.expert_load, "the two halves' routed tokens are one process's"
+    assert two.param_bytes < one.param_bytes, "each rank holds half of the experts"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy",
     [StrategyConfig(name="ddp", ep=2), StrategyConfig(name="zero3", ep=2), StrategyConfig(name="zero3", ep=4),
+     StrategyConfig(name="hybrid", dp_shard=2, cp=2, ep=2), StrategyConfig(name="hybrid", dp_shard=2, cp=2, ep=4),
      StrategyConfig(name="hybrid", dp_shard=2, pp=2, ep=2, microbatches=2),
      StrategyConfig(name="hybrid", dp_shard=2, tp=2, ep=2),
      StrategyConfig(name="hybrid", dp_replicate=2, dp_shard=1, tp=2, ep=2)],
-    ids=["ddp4-ep2", "fsdp4-ep2", "fsdp4-ep4", "pp2xfsdp2-ep2", "fsdp2xtp2-ep2", "hsdp2xtp2-ep2"],
+    ids=["ddp4-ep2", "fsdp4-ep2", "fsdp4-ep4", "fsdp2xcp2-ep2", "fsdp2xcp2-ep4", "pp2xfsdp2-ep2", "fsdp2xtp2-ep2", "hsdp2xtp2-ep2"],
 )
 def test_experts_split_on_four_ranks_match_one_process(strategy):
     """At world 4: two expert groups of 2 whose replicas reduce the experts' gradients (DDP: by hand;
     FSDP: sharded over the 2 replicas), one group of 4, a pipeline of 2 stages, each with its own
     expert groups (its first step's loads not counted: torch also runs its shape inference through
     the experts then), and tensor parallelism of 2 beside ep=2 over the 2 data-parallel ranks (the
-    ranks of a TP group route the same tokens, each in its own expert group)."""
+    ranks of a TP group route the same tokens, each in its own expert group); and context
+    parallelism of 2 beside FSDP of 2, with ep=2 (two expert groups, each the halves of a sequence;
+    the experts FSDP-sharded over their 2 replicas) and ep=4 (one group of every rank)."""
     one, four = run(StrategyConfig(name="ddp"), 1, MOE), run(strategy, 4, MOE)
     assert four.ep == strategy.ep
     assert four.losses == pytest.approx(one.losses, **TOL)
@@ -140,10 +158,13 @@ def test_a_users_experts_named_by_model_ep_plan_split_over_2_ranks_match_one_pro
     assert two.param_bytes < one.param_bytes, "each rank holds half of the experts"
 
 
-def test_the_all_to_alls_move_what_the_cost_model_counts():
-    """ep=2 at world 2, 10 steps of 4 sequences of 16 tokens a rank, top 2 of 4 experts, width 32,
-    fp32: every forward all-to-all of a MoE layer (dispatch, combine) sends, summed over the ranks,
-    what costmodel.all_to_all_bytes counts for a rank times the ranks; and in each combine (what
+@pytest.mark.parametrize("strategy", [StrategyConfig(name="zero3", ep=2), StrategyConfig(name="zero3", cp=2, ep=2)],
+                         ids=["dp2-ep2", "cp2-ep2"])
+def test_the_all_to_alls_move_what_the_cost_model_counts(strategy):
+    """ep=2 at world 2, 10 steps of 4 sequences of 16 tokens a rank (dp=2), or of 8 sequences' halves
+    (cp=2), top 2 of 4 experts, width 32, fp32: every forward all-to-all of a MoE layer (dispatch,
+    combine) sends, summed over the ranks, what the cost model counts for a rank (all_to_all_bytes of
+    routed_tokens) times the ranks; and in each combine (what
     a rank's experts were sent, going back) the busiest rank sends the routing imbalance train
     measures (expert_rank_imbalance at ep 2) times the mean: the factor the cost model scales the
     all-to-all time by."""
@@ -152,17 +173,19 @@ def test_the_all_to_alls_move_what_the_cost_model_counts():
     from tests.dist.test_strategies import train_inputs
     from tests.helpers import run_world
     from training.planner.anatomy import build_on_meta, measure_anatomy
-    from training.planner.comm import all_to_all_bytes
     from training.contract.calls import model_loss
+    from training.parallel.dims import resolve_dims
+    from training.planner.comm import all_to_all_bytes, routed_tokens
 
-    inputs = (train_inputs(StrategyConfig(name="zero3", ep=2), MOE), tempfile.mkdtemp())
+    inputs = (train_inputs(strategy, MOE), tempfile.mkdtemp())
     result, sent = run_world("tests.dist.workers:train_counting_all_to_alls", inputs, world=2)
     steps, layers, calls = 10, 2, 2
     assert [len(s) for s in sent] == [steps * layers * calls] * 2, "dispatch and combine, per layer and step"
     model, spec = build_on_meta(MOE, 0)  # the shape as the plan measures it (its top_k counted on meta)
     tokens = torch.zeros(1, 16, dtype=torch.long, device="meta")
     shape = measure_anatomy(model, spec, model_loss(MOE), (tokens, tokens)).anatomy.shape
-    balanced = all_to_all_bytes(shape, 4 * 16, "fp32")
+    dims = resolve_dims(strategy, 2)
+    balanced = all_to_all_bytes(shape, routed_tokens(shape, 8 // dims.dp_size, dims), "fp32")
     assert balanced == 4 * 16 * 2 * 32 * 4
     for call in range(steps * layers * calls):
         assert sent[0][call] + sent[1][call] == 2 * balanced

@@ -91,7 +91,10 @@ def test_cp_is_a_degree_like_the_others():
     assert "cp" not in StrategyConfig(name="hybrid", cp=2).degrees(), "the four older degrees read as before"
     assert resolve_dims(StrategyConfig(name="hybrid", dp_shard=2, tp=2, cp=-1), 8).cp == 2
     dims = ParallelDims.resolve(1, 2, 2, 1, 8, cp=2)
-    assert dims.world_size == 8 and dims.dp_size == 2 and dims.shard_degree == 4
+    assert dims.world_size == 8 and dims.dp_size == 2
+    # CP ranks hold the same parameters: FSDP shards over dp_shard x cp, a DDP strategy replicates over them.
+    assert dims.gradient_ranks("fsdp") == dims.gradient_ranks(None) == (1, 4) and dims.gradient_ranks("ddp") == (2, 2)
+    assert ParallelDims(cp=2).uses_fsdp("fsdp") and not ParallelDims(cp=2).uses_fsdp("ddp")
     # torchtitan's layout, outermost first: (pp, dp_replicate, dp_shard, cp, tp).
     assert dims.coordinates(5) == {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 1, "dp": 1}
     assert dims.coordinates(6)["cp"] == 1 and dims.coordinates(6)["dp"] == 1
@@ -159,3 +162,26 @@ def test_an_impossible_cp_is_one_line_before_anything_starts(overrides, expected
 def test_a_cp_layout_that_fits_passes_the_checks():
     precheck(["strategy=hybrid", "strategy.cp=2"])
     precheck(["strategy=hybrid", "strategy.cp=2", "model=hf-llama"])
+
+
+@pytest.mark.parametrize("fields", [
+    dict(name="ddp", cp=2), dict(name="zero1", cp=2), dict(name="zero3", cp=2), dict(name="zero2", cp=2),
+    dict(name="hybrid", cp=2), dict(name="hybrid", cp=2, reshard_after_forward=False), dict(name="hybrid", cp=2, tp=2),
+    dict(name="hybrid", dp_replicate=2, dp_shard=1, tp=2), dict(name="ddp"), dict(name="tp", cp=2),
+], ids=lambda f: "-".join(f"{k}{v}" for k, v in f.items()))
+def test_the_planner_charges_the_wrapper_the_trainer_applies(fields):
+    """The flavour the cost model charges a configured strategy (flavour_of) wraps in FSDP exactly
+    when the trainer does (compose.techniques), CP ranks included: a DDP strategy replicates over
+    them, any other shards over dp_shard x cp."""
+    from training import strategies
+    from training.planner.memory import fsdp_wraps
+    from training.strategies import flavour_of
+
+    strategy = StrategyConfig(**fields)
+    world = fields.get("cp", 1) * fields.get("tp", 1) * fields.get("dp_replicate", 1)  # no data parallelism else
+    world = world if world > 1 else 2
+    dims = resolve_dims(strategy, world)
+    flavour = flavour_of(strategy, dims)
+    assert fsdp_wraps(flavour, dims) == techniques(strategy, dims).fsdp
+    if techniques(strategy, dims).fsdp:
+        assert strategies.get(flavour).reshard_after_forward == strategy.reshard

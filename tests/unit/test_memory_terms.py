@@ -138,12 +138,17 @@ def test_the_peak_is_the_highest_of_backwards_start_a_blocks_backward_and_after(
     m = memory_breakdown(w, "zero3", d)
     assert m.states == 1000 * 16 / 8 and m.activation_bytes == 8000.0 and m.loss_temp_bytes == 800.0
     assert m.grads_in_backward == 0 and m.gathered_root_bytes == 400
-    assert m.tail_bytes == fsdp_root_reduce(SHAPE, d, "bf16") == 200 * (2 + 4)
+    assert m.tail_bytes == fsdp_root_reduce(SHAPE, "zero3", d, "bf16") == 200 * (2 + 4)
     start = m.param_bytes + m.optim_bytes + 8000 + 400
     assert m.working_bytes == 2 * 2 * 200 + 4 * 200 > 800  # here a block's backward is the peak
     assert m.total == max(start, start - 800 + m.working_bytes) == start - 800 + 1600
     ddp = memory_breakdown(w, "ddp", ParallelDims(dp_replicate=8))
     assert ddp.grads_in_backward == ddp.grad_bytes == 2 * 1000 and ddp.total == ddp.states + ddp.activation_bytes
+    # ddp with cp=2 replicates over the two CP ranks as the trainer does (DDP, whole states, its
+    # buckets), where zero3 with cp=2 shards over them.
+    replicas = memory_breakdown(w, "ddp", ParallelDims(cp=2))
+    assert replicas.states == ddp.states and replicas.grads_in_backward == 2 * 1000 and replicas.gathered_root_bytes == 0
+    assert memory_breakdown(w, "zero3", ParallelDims(cp=2)).states == 1000 * 16 / 2
     # Embeddings and head of 600 over blocks of 100: the root's reduction (600 x 6 = 3600) outweighs
     # the gathered root and a block's working set (600 x 2 + 2 x 100 x 2 + 100 x 4) beside tiny activations.
     heavy_ends = dataclasses.replace(SHAPE, first_stage_params=300, last_stage_params=300)

@@ -52,6 +52,10 @@ def test_states_per_rank_under_ep_and_dp_shard_are_the_hand_count():
     # ZeRO-2 also keeps each unit's gathered compute copy: this rank's experts, 8/ep of them.
     assert states("zero2", ParallelDims(dp_shard=4, ep=2)) == pytest.approx(16 * (DENSE + EXPERTS) / 4
                                                                            + 4 * (DENSE + EXPERTS / 2))
+    # With cp=2 the context-parallel ranks hold the same weights: the rest sharded over dp_shard x cp
+    # = 4, the experts split over ep=2 of those 4 and sharded over the other 2 (their replicas).
+    assert states("zero3", ParallelDims(dp_shard=2, cp=2, ep=2)) == pytest.approx(16 * DENSE / 4 + 16 * EXPERTS / 2 / 2)
+    assert states("ddp", ParallelDims(dp_replicate=1, cp=2, ep=2)) == 16 * (DENSE + EXPERTS / 2)
 
 
 def test_the_active_parameters_flops_of_a_top_2_of_8_layer():
@@ -93,6 +97,9 @@ def test_all_to_all_bytes_and_calls_per_layer():
     # (the counts' all-to-all does not change).
     skewed = comm_time(SHAPE, "zero3", d, micro, 1, 1, "bf16", lambda c, g: wire, imbalance=1.5)
     assert skewed.expert_parallel_s == pytest.approx(1.5 * 4 * layers * one / 2 / 1e9 + 4 * layers * 1e-3 + counts_s)
+    # With cp=2 each rank routes half of each sequence: half the tokens in each all-to-all, as many calls.
+    halves = comm_time(SHAPE, "zero3", ParallelDims(cp=2, ep=2), micro, 1, 1, "bf16", lambda c, g: wire)
+    assert halves.expert_parallel_s == pytest.approx(4 * layers * one / 2 / 2 / 1e9 + 4 * layers * 1e-3 + counts_s)
     # Without expert parallelism there is no all-to-all.
     assert comm_time(SHAPE, "zero3", ParallelDims(dp_shard=2), micro, 1, 1, "bf16",
                      lambda c, g: wire).expert_parallel_s == 0
@@ -118,13 +125,19 @@ def test_split_experts_are_reduced_over_their_replicas_alone():
 
 
 def test_the_groups_of_an_expert_layout_and_the_tier_they_ride():
-    """ep is carved out of dp, its ranks neighbours: ep=8 on nodes of 8 stays inside one, ep=16
-    crosses; the replicas are ep ranks apart."""
+    """ep is carved out of dp (and cp), its ranks neighbours: ep=8 on nodes of 8 stays inside one,
+    ep=16 crosses; the replicas are ep ranks apart."""
     d = ParallelDims(dp_shard=64, ep=8)
     assert group_of(d, "ep", 8) == Group(8, 8)
     assert group_of(dataclasses.replace(d, ep=16), "ep", 8).nodes == 2
     assert group_of(d, "edp", 8) == Group(8, 1)  # one per node: 8 ranks apart
     assert group_of(ParallelDims(dp_shard=4, ep=2), "edp", 8) == Group(2, 2)
+    # With cp, ep is carved out of dp x cp (a sequence's CP ranks neighbours): with tp=2 inside, an
+    # expert group of 4 is 4 ranks 2 apart (one node of 8), its replicas ep x tp = 8 apart.
+    cp = ParallelDims(dp_shard=4, cp=2, tp=2, ep=4)
+    assert group_of(cp, "ep", 8) == Group(4, 4)
+    assert group_of(cp, "edp", 8) == Group(2, 1)
+    assert group_of(ParallelDims(cp=2, ep=2), "ep", 1) == Group(2, 1)  # the two halves of a sequence
 
 
 def test_the_imbalance_stretches_the_experts_share_of_compute_only_under_ep():
@@ -170,6 +183,10 @@ def test_the_search_offers_ep_where_the_trainer_can_split_the_experts():
     split = {(flavour, d) for flavour, d in found if d.ep > 1}
     assert {d.ep for _, d in split} == {2, 4, 8}
     assert all(flavour != "zero1" and d.cp == 1 and d.dp_size % d.ep == 0 for flavour, d in split)
+    # A model context parallelism can split: ep is also carved out of the CP ranks.
+    with_cp = {(flavour, d) for flavour, d in layouts(8, SHAPE, context_parallel=True) if d.ep > 1 and d.cp > 1}
+    assert ("zero3", ParallelDims(dp_shard=2, cp=4, ep=8)) in with_cp
+    assert all((d.dp_size * d.cp) % d.ep == 0 for _, d in with_cp)
     assert ("zero3", ParallelDims(dp_shard=8, ep=8)) in split
     assert ("ddp", ParallelDims(dp_replicate=4, pp=2, ep=4)) in split
     dense = dataclasses.replace(SHAPE, experts=(), expert_params=0)
@@ -177,5 +194,5 @@ def test_the_search_offers_ep_where_the_trainer_can_split_the_experts():
     splittable = dataclasses.replace(SHAPE, block_linear_params=1000, tp_sizes=(4, 64))
     assert feasible(splittable, ParallelDims(dp_shard=2, tp=2), None)
     assert feasible(splittable, ParallelDims(dp_shard=2, tp=2, ep=2), None)  # ep beside tp trains
-    assert not feasible(dataclasses.replace(splittable, context_parallel=True),
-                        ParallelDims(dp_shard=2, cp=2, ep=2), None)  # ep with cp: not built
+    assert feasible(dataclasses.replace(splittable, context_parallel=True),
+                    ParallelDims(dp_shard=2, cp=2, ep=2), None)  # ep with cp trains

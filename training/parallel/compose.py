@@ -105,16 +105,15 @@ def techniques(strategy: StrategyConfig, dims: ParallelDims, probe: bool = False
     """The techniques of `strategy` at `dims`. `probe`: apply the strategy's wrappers even at degree
     1 (the overhead probe measures them on a one-rank group).
 
-    CP ranks hold the same parameters, so the gradient wrapper reduces over them too: FSDP shards
-    over dp_shard x cp (torchtitan), except under a DDP strategy (ddp, zero1), whose promise is a
-    whole replica per rank: there they are more replicas (DDP over dp_replicate x cp)."""
+    CP ranks hold the same parameters, so the gradient wrapper reduces over them too
+    (ParallelDims.gradient_ranks: FSDP shards over dp_shard x cp, DDP replicates over
+    dp_replicate x cp)."""
     named = probe and dims.world_size == 1
     declared = strategies.get(strategy.name)
     cp_replicates = dims.cp_enabled and declared.wrapper == "ddp"
-    replicas = dims.dp_replicate * (dims.cp if cp_replicates else 1)
-    shards = dims.dp_shard * (1 if cp_replicates else dims.cp)
+    replicas, _ = dims.gradient_ranks(declared.wrapper)
     tp = dims.tp_enabled or (named and declared.degrees["tp"] == -1)
-    fsdp = shards > 1 or (replicas > 1 and dims.tp_enabled) or (named and declared.wrapper == "fsdp")
+    fsdp = dims.uses_fsdp(declared.wrapper) or (named and declared.wrapper == "fsdp")
     ddp = not fsdp and (replicas > 1 or (named and declared.wrapper == "ddp"))
     return Techniques(pp=dims.pp_enabled, tp=tp, fsdp=fsdp, ddp=ddp, cp=dims.cp_enabled, cp_replicates=cp_replicates)
 

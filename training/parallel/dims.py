@@ -42,9 +42,9 @@ class ParallelDims:
     """Context-parallel degree: the ranks each sequence is split over (load-balanced for causal
     attention; training/parallel/cp.py)."""
     ep: int = 1
-    """Expert-parallel degree: carved out of the data-parallel ranks (dp_size / ep expert groups of
-    ep neighbouring ranks, each splitting every MoE layer's experts: training/parallel/ep.py), so
-    it is no mesh dimension of its own and leaves the world size as it is."""
+    """Expert-parallel degree: carved out of the data- and context-parallel ranks (dp_size x cp / ep
+    expert groups of ep neighbouring ranks, each splitting every MoE layer's experts:
+    training/parallel/ep.py), so it is no mesh dimension of its own and leaves the world size as it is."""
 
     @classmethod
     def resolve(cls, dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int, cp: int = 1) -> ParallelDims:
@@ -103,19 +103,21 @@ class ParallelDims:
     def dp_replicate_enabled(self) -> bool:
         return self.dp_replicate > 1
 
-    @property
-    def shard_degree(self) -> int:
-        """The ranks FSDP shards over: dp_shard x cp (torchtitan's `dp_shard_cp`: CP ranks hold the
-        same parameters, so their gradients are reduced, and their states sharded, together)."""
-        return self.dp_shard * self.cp
+    def gradient_ranks(self, wrapper: str | None) -> tuple[int, int]:
+        """(replicas, shards): the ranks a strategy's gradient wrapper (`Strategy.wrapper`) replicates
+        and shards the parameters over. CP ranks hold the same parameters, so they join the shards
+        (FSDP over dp_shard x cp, torchtitan's `dp_shard_cp`), except under a DDP strategy (ddp,
+        zero1), whose promise is a whole replica per rank: there they are more replicas."""
+        if self.cp_enabled and wrapper == "ddp":
+            return self.dp_replicate * self.cp, self.dp_shard
+        return self.dp_replicate, self.dp_shard * self.cp
 
-    @property
-    def uses_fsdp(self) -> bool:
-        """Whether the trainer wraps this layout in FSDP2: to shard (dp_shard, and cp as torchtitan
-        does), and to replicate a tensor-parallel model (DDP cannot replicate DTensor parameters:
-        HSDP does). A DDP strategy (ddp, zero1) with cp > 1 replicates over the CP ranks instead
-        (training/parallel/compose.py)."""
-        return self.shard_degree > 1 or (self.dp_replicate_enabled and self.tp_enabled)
+    def uses_fsdp(self, wrapper: str | None) -> bool:
+        """Whether the trainer wraps this layout in FSDP2 under a strategy of `wrapper`: to shard,
+        and to replicate a tensor-parallel model (DDP cannot replicate DTensor parameters: HSDP
+        does). The one rule the trainer (training/parallel/compose.py) and the planner read."""
+        replicas, shards = self.gradient_ranks(wrapper)
+        return shards > 1 or (replicas > 1 and self.tp_enabled)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -199,12 +201,13 @@ def expert_parallel_problem(dims: ParallelDims, zero1: bool, experts: list[int] 
     if not experts:
         return ("the model declares no experts to split: name its experts modules and their stacked weights in "
                 "model.ep_plan (ep_dispatch_experts, grouped_gemm), as Hugging Face's base_model_ep_plan does")
-    if dims.dp_size % ep:
+    if dims.cp == 1 and dims.dp_size % ep:
         return f"must divide the data-parallel size {dims.dp_size} (dp_replicate x dp_shard): ep is carved out of it"
+    if dims.dp_size * dims.cp % ep:
+        return (f"must divide the data- and context-parallel ranks {dims.dp_size * dims.cp} (dp_replicate x dp_shard "
+                "x cp): ep is carved out of them")
     if any(n % ep for n in experts):
         return f"must divide every layer's experts ({', '.join(map(str, sorted(set(experts))))})"
-    if dims.cp > 1:
-        return "expert parallelism with context parallelism is not built yet: use cp=1"
     if zero1:
         return ("zero1's sharded optimizer takes every data-parallel rank's parameters as equal, and split experts "
                 "are not: use ddp, zero2, zero3 or hybrid")

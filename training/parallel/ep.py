@@ -1,24 +1,26 @@
-"""Expert parallelism: each mixture-of-experts layer's experts split over `ep` data-parallel ranks,
-tokens sent to the rank holding their expert and back by all-to-all (Megatron-Core's and
-torchtitan's layout, carved out of the data-parallel ranks).
+"""Expert parallelism: each mixture-of-experts layer's experts split over `ep` ranks, tokens sent to
+the rank holding their expert and back by all-to-all (Megatron-Core's and torchtitan's layout,
+carved out of the ranks that hold the same weights and see different tokens: the data-parallel
+ranks and the context-parallel ones, as torchtitan's ep borrows from dp_shard x cp).
 
-The ranks of a data-parallel group (dp = dp_replicate x dp_shard, flattened in that order) form
-dp / ep *expert groups* of ep neighbouring ranks; rank i of a group holds experts
-[i·E/ep, (i+1)·E/ep) of every layer. The ranks holding the same experts (one from each expert
-group) are *expert replicas*: their experts' gradients are reduced over them alone, while the
-other weights are reduced over every data-parallel rank as before.
+Those ranks (dp_replicate x dp_shard x cp, flattened in that order: a sequence's cp parts are
+neighbours) form dp·cp / ep *expert groups* of ep neighbouring ranks; rank i of a group holds
+experts [i·E/ep, (i+1)·E/ep) of every layer. The ranks holding the same experts (one from each
+expert group) are *expert replicas*: their experts' gradients are reduced over them alone, while
+the other weights are reduced over every data- and context-parallel rank as before.
 
 An expert's gradient on its rank already sums what every rank of its expert group sent it (the
 all-to-all's backward returns each token's gradient to where it came from, and the weights'
-gradients stay); the replicas' sum then covers every data-parallel rank's tokens, divided by dp as
-the other weights' average is: one process's gradient at the same global batch.
+gradients stay); the replicas' sum then covers every rank's tokens, divided by dp·cp as the other
+weights' average is (a CP rank's loss is the mean over its part of each sequence, equal parts):
+one process's gradient at the same global batch.
 
 Composes with DDP, FSDP (the experts sharded over their replicas) and pipeline stages (each stage's
 own expert groups). Applied to whatever experts modules the model's expert plan names
 (training/contract/spec.py): the built-in MoE GPT's, Hugging Face's MoE families'
 (`base_model_ep_plan`), a user model's (`model.ep_plan`). Tensor parallelism
-beside ep keeps the experts whole on every TP rank (expert_groups). Context parallelism with ep
-and zero1's sharded optimizer are refused up front (training/parallel/dims.py's
+beside ep keeps the experts whole on every TP rank (expert_groups). zero1's sharded optimizer is
+refused with ep up front (training/parallel/dims.py's
 `expert_parallel_problem`, pipelines/validate.py). Checkpoints need nothing of their own: the split
 experts are DTensors, which DCP saves under the whole model's names and reshards on load.
 """
@@ -42,11 +44,11 @@ from training.parallel.dims import ParallelDims
 @dataclass(frozen=True)
 class ExpertGroups:
     mesh: DeviceMesh
-    """(pp, edp, ep) over every rank: `ep` the ranks that split the experts between them, `edp` the
-    ranks holding the same experts (their replicas)."""
+    """(pp, edp, ep, etp) over every rank: `ep` the ranks that split the experts between them, `edp`
+    the ranks holding the same experts (their replicas)."""
     ep: int
     data_parallel: int
-    """Data-parallel ranks whose tokens reach an expert's gradient: what it is divided by."""
+    """Data- and context-parallel ranks whose tokens reach an expert's gradient: what it is divided by."""
 
     @property
     def ep_group(self) -> dist.ProcessGroup:
@@ -62,16 +64,17 @@ class ExpertGroups:
 
 
 def expert_groups(dims: ParallelDims, ep: int, device_type: str) -> ExpertGroups:
-    """The expert mesh. With cp = 1 a rank is (pp_index x dp + dp_index) x tp + tp_index and
-    dp_index is edp_index x ep + ep_index: the (pp, dp / ep, ep, tp) mesh in rank order. The ranks
+    """The expert mesh. A rank is (pp_index x dp·cp + g) x tp + tp_index, g = dp_index x cp +
+    cp_index its index among the ranks that hold the same weights, and g is
+    edp_index x ep + ep_index: the (pp, dp·cp / ep, ep, tp) mesh in rank order. The ranks
     of a tensor-parallel group route the same tokens (the experts are not in its plan): each runs
     its own copy of its expert group's all-to-alls with the same ranks of the other TP groups, and
     their copies of the experts stay equal, with nothing to reduce between them."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (dims.pp, dims.dp_size // ep, ep, dims.tp),
-                            mesh_dim_names=("pp", "edp", "ep", "etp"))
-    return ExpertGroups(mesh, ep, dims.dp_size)
+    same = dims.dp_size * dims.cp
+    mesh = init_device_mesh(device_type, (dims.pp, same // ep, ep, dims.tp), mesh_dim_names=("pp", "edp", "ep", "etp"))
+    return ExpertGroups(mesh, ep, same)
 
 
 class AllToAllExperts:

@@ -12,7 +12,13 @@ from dataclasses import dataclass
 from training import strategies
 from training.collectives import bus_factor
 from training.parallel.dims import DIM_NAMES, ParallelDims
-from training.planner.memory import MASTER_BYTES, activation_tensor_bytes, expert_replicas, stage_params
+from training.planner.memory import (
+    MASTER_BYTES,
+    activation_tensor_bytes,
+    expert_replicas,
+    fsdp_wraps,
+    stage_params,
+)
 from training.planner.shape import BF16_PARAMS, COMPUTE_BYTES, Shape
 
 
@@ -61,7 +67,7 @@ class Group:
 def group_of(d: ParallelDims, dim: str, devices_per_node: int | None) -> Group:
     """The group of mesh dimension `dim` (`dp`: dp_replicate x dp_shard, flattened; `grad`: those
     and cp, the ranks whose gradients are reduced together; `ep` and `edp`: an expert group and
-    an expert's replicas, carved out of dp) in the layout
+    an expert's replicas, carved out of those) in the layout
     `d` on nodes of `devices_per_node` ranks (None: one node holds them all). Its ranks are
     `stride` apart, stride being the product of the dimensions inside it, so a node holds
     devices_per_node // stride of them (at least one)."""
@@ -72,10 +78,10 @@ def group_of(d: ParallelDims, dim: str, devices_per_node: int | None) -> Group:
         ranks, inner = d.dp_size, names[names.index("dp_shard") + 1:]
     elif dim == "grad":  # every rank that holds the same parameters: the data-parallel and cp ranks
         ranks, inner = d.dp_size * d.cp, names[names.index("cp") + 1:]
-    elif dim == "ep":  # an expert group: ep neighbouring data-parallel ranks (training/parallel/ep.py)
-        ranks, inner = d.ep, names[names.index("dp_shard") + 1:]
-    elif dim == "edp":  # an expert's replicas: one in each expert group, ep data-parallel ranks apart
-        ranks, inner, spacing = expert_replicas(d), names[names.index("dp_shard") + 1:], d.ep
+    elif dim == "ep":  # an expert group: ep neighbouring data- or context-parallel ranks (training/parallel/ep.py)
+        ranks, inner = d.ep, names[names.index("cp") + 1:]
+    elif dim == "edp":  # an expert's replicas: one in each expert group, ep of those ranks apart
+        ranks, inner, spacing = expert_replicas(d), names[names.index("cp") + 1:], d.ep
     else:
         ranks, inner = sizes[dim], names[names.index(dim) + 1:]
     if devices_per_node is None:
@@ -162,7 +168,7 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
     # The gradients as reduced: FSDP's reduce_dtype is fp32; DDP reduces the parameters' dtype
     # (bf16 parameters; fp32 ones under fp32 and fp16's autocast), as do zero1's broadcasts.
     stored = dtype_bytes if precision in BF16_PARAMS else MASTER_BYTES
-    grads = (MASTER_BYTES if d.uses_fsdp else stored) * psi
+    grads = (MASTER_BYTES if fsdp_wraps(strategy, d) else stored) * psi
     params = dtype_bytes * psi
     n = d.dp_size * d.cp  # context-parallel ranks' gradients are reduced with the data-parallel ones'
     units = fsdp_units(shape)
@@ -261,6 +267,12 @@ def all_to_all_bytes(shape: Shape, tokens: float, precision: str) -> float:
     return tokens * shape.top_k * shape.hidden * COMPUTE_BYTES[precision]
 
 
+def routed_tokens(shape: Shape, micro_batch: int, d: ParallelDims) -> float:
+    """The tokens one rank routes in a micro-batch: its samples' tokens, its part of each sequence
+    under context parallelism."""
+    return micro_batch * shape.seq_len / d.cp
+
+
 def expert_traffic(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, grad_accum: int,
                    microbatches: int, precision: str, expert_psi: float, moe_layers: int,
                    call: Callable[..., float], link: Callable[[str, Group], Link], devices_per_node: int | None,
@@ -270,7 +282,7 @@ def expert_traffic(shape: Shape, strategy: str, d: ParallelDims, micro_batch: in
     makes. Every MoE layer, per micro-batch (and pipeline microbatch): forward one all-to-all of
     the expert counts and two of the tokens (dispatch, combine), backward two of their gradients;
     recomputation (full or selective: its policy keeps no collective) repeats the forward's three.
-    The experts' replicas (dp / ep ranks) reduce-scatter and gather them under FSDP, once per MoE
+    The experts' replicas (dp·cp / ep ranks) reduce-scatter and gather them under FSDP, once per MoE
     layer (their own unit), or all-reduce their gradients after backward under DDP (one call per
     weight, two a layer: nothing left to hide behind).
 
@@ -281,14 +293,15 @@ def expert_traffic(shape: Shape, strategy: str, d: ParallelDims, micro_batch: in
     ep_group, edp_group = group_of(d, "ep", devices_per_node), group_of(d, "edp", devices_per_node)
     chunks = grad_accum * (microbatches if d.pp > 1 else 1)
     forwards = 1 + (1 if recompute in ("full", "selective") else 0)
-    tokens = all_to_all_bytes(shape, micro_batch * shape.seq_len, precision) * grad_accum * moe_layers * imbalance
+    tokens = (all_to_all_bytes(shape, routed_tokens(shape, micro_batch, d), precision) * grad_accum * moe_layers
+              * imbalance)
     calls = moe_layers * chunks
     a2a_s = (call("all_to_all", tokens * (2 * forwards + 2), ep_group, calls * (2 * forwards + 2))
              + call("all_to_all", 8 * max(shape.experts) * calls * forwards, ep_group, calls * forwards))
     if expert_replicas(d) == 1:
         return 0.0, 0.0, a2a_s
     dtype_bytes = COMPUTE_BYTES[precision]
-    if d.uses_fsdp:
+    if fsdp_wraps(strategy, d):
         gathers = 2 if strategies.get(strategy).reshard_after_forward else 1
         dp_s = (call("all_gather", dtype_bytes * expert_psi * grad_accum * gathers, edp_group,
                      moe_layers * grad_accum * gathers)

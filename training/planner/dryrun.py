@@ -17,7 +17,7 @@ from training.contract.calls import build_model, model_loss
 from training.contract.spec import model_spec
 from training.memory import state_bytes
 from training.parallel.compose import TIMED_LR, build_optimizer, parallelize, resolve_dims
-from training.planner.memory import keeps_gathered
+from training.planner.memory import fsdp_wraps, keeps_gathered
 from training.planner.shape import COMPUTE_BYTES
 from training.units import GIB
 
@@ -55,9 +55,9 @@ def rank_share(model_cfg: ModelConfig, strategy: StrategyConfig, world: int, ran
         optimizer = build_optimizer(parallel, TIMED_LR, 0.0)
         stored, _, optim = state_bytes(parallel.model, optimizer)
         held = stored
-        if dims.uses_fsdp and keeps_gathered(strategy.name, strategy.reshard):
+        if fsdp_wraps(strategy.name, dims) and keeps_gathered(strategy.name, strategy.reshard):
             # FSDP shards over dp_shard x cp (training/parallel/dims.py): a unit gathers from all of them.
-            gathered = sum(p.to_local().numel() for p in parallel.model.parameters()) * dims.shard_degree
+            gathered = sum(p.to_local().numel() for p in parallel.model.parameters()) * dims.gradient_ranks("fsdp")[1]
             held += gathered * COMPUTE_BYTES[strategy.precision]
         return RankShare(rank, dims.coordinates(rank), held, stored, optim, len(spec.live_blocks()))
     finally:

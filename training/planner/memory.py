@@ -99,9 +99,10 @@ def stage_params(shape: Shape, d: ParallelDims) -> tuple[float, float]:
 
 
 def expert_replicas(d: ParallelDims) -> int:
-    """Ranks holding the same experts (one in each expert group): FSDP shards the experts over
-    them, DDP all-reduces their gradients over them (training/parallel/ep.py)."""
-    return d.dp_size // d.ep
+    """Ranks holding the same experts (one in each expert group, carved out of the data- and
+    context-parallel ranks): FSDP shards the experts over them, DDP all-reduces their gradients
+    over them (training/parallel/ep.py)."""
+    return d.dp_size * d.cp // d.ep
 
 
 def _ends(shape: Shape, d: ParallelDims) -> tuple[float, float]:
@@ -115,12 +116,23 @@ def keeps_gathered(strategy: str, reshard: bool = True) -> bool:
     return not (reshard and strategies.get(strategy).reshard_after_forward)
 
 
+def fsdp_wraps(strategy: str, d: ParallelDims) -> bool:
+    """Whether the trainer wraps `strategy` at `d` in FSDP2 (ParallelDims.uses_fsdp: a DDP strategy
+    with cp replicates over the CP ranks instead)."""
+    return d.uses_fsdp(strategies.get(strategy).wrapper)
+
+
+def gradient_replicas(strategy: str, d: ParallelDims) -> int:
+    """The ranks `strategy`'s gradient wrapper replicates over at `d` (ParallelDims.gradient_ranks)."""
+    return d.gradient_ranks(strategies.get(strategy).wrapper)[0]
+
+
 def states_per_param(strategy: str, d: ParallelDims, precision: str, reshard: bool = True,
                      shards: int | None = None) -> tuple[float, float, float]:
     """Bytes per parameter of this rank's share for (parameters, gradients, optimizer), as the
     trainer allocates them (training/parallel/compose.py):
 
-    - FSDP (d.uses_fsdp): fp32 parameters, gradients and moments sharded over dp_shard (16 / N), in
+    - FSDP (fsdp_wraps): fp32 parameters, gradients and moments sharded over dp_shard (16 / N), in
       any precision (MixedPrecisionPolicy computes with gathered copies); ZeRO-2 keeps the gathered
       compute copy of every unit through backward (+ 2 or 4). `shards`: another N (split experts
       are sharded over their replicas).
@@ -129,8 +141,8 @@ def states_per_param(strategy: str, d: ParallelDims, precision: str, reshard: bo
       fp16 runs autocast over fp32 parameters, whose fp16 weight copies live until backward
       (4 + 2, 4, 8); fp32: 4 + 4 + 8. DDP's gradients are views of its buckets: no second copy."""
     c = COMPUTE_BYTES[precision]
-    if d.uses_fsdp:
-        n = shards or d.shard_degree  # dp_shard x cp: context-parallel ranks hold the same parameters
+    if fsdp_wraps(strategy, d):
+        n = shards or d.gradient_ranks("fsdp")[1]  # dp_shard x cp: context-parallel ranks hold the same parameters
         gathered = c if keeps_gathered(strategy, reshard) else 0.0
         return MASTER_BYTES / n + gathered, MASTER_BYTES / n, MOMENT_BYTES / n
     sharded = d.dp_size * d.cp if strategies.get(strategy).shards_optimizer_only else 1
@@ -163,7 +175,7 @@ def _unit_params(shape: Shape, d: ParallelDims) -> tuple[float, float]:
 def fsdp_gathered_root(shape: Shape, strategy: str, d: ParallelDims, precision: str, reshard: bool = True) -> float:
     """FSDP2's root unit (embeddings, head), gathered in the compute dtype for forward and kept
     through backward (FSDP2 never reshards the root after forward); ZeRO-2 counts it in its states."""
-    if not d.uses_fsdp or keeps_gathered(strategy, reshard):
+    if not fsdp_wraps(strategy, d) or keeps_gathered(strategy, reshard):
         return 0.0
     return COMPUTE_BYTES[precision] * _unit_params(shape, d)[1]
 
@@ -173,18 +185,18 @@ def fsdp_working_set(shape: Shape, strategy: str, d: ParallelDims, precision: st
     root: under ZeRO-3 the block gathered and the next one prefetched, in the compute dtype; and
     that block's gradients in the fp32 buffer they are reduce-scattered from (measured: the
     compute-dtype gradients are freed as they are copied in)."""
-    if not d.uses_fsdp:
+    if not fsdp_wraps(strategy, d):
         return 0.0
     block, _ = _unit_params(shape, d)
     gathered = 0.0 if keeps_gathered(strategy, reshard) else 2 * COMPUTE_BYTES[precision] * block
     return gathered + MASTER_BYTES * block
 
 
-def fsdp_root_reduce(shape: Shape, d: ParallelDims, precision: str) -> float:
+def fsdp_root_reduce(shape: Shape, strategy: str, d: ParallelDims, precision: str) -> float:
     """The root unit's reduction at the end of backward (FSDP2 reshards its parameters first): its
     unsharded gradients in the compute dtype and the fp32 buffer they are reduce-scattered from.
     For a model whose embeddings and head outweigh a block this, not a block's, is the peak."""
-    if not d.uses_fsdp:
+    if not fsdp_wraps(strategy, d):
         return 0.0
     return (COMPUTE_BYTES[precision] + MASTER_BYTES) * _unit_params(shape, d)[1]
 
@@ -235,7 +247,7 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
     if d.pp == 1:
         return (per_sample + kept_kv + recomputing_kv) * w.micro_batch + mask
     tail = a.outside_blocks - a.head * (1 - 1 / split)
-    ends = min(tail + w.loss_temps(d), per_sample)
+    ends = min((tail + w.loss_temps(d)) / d.cp, per_sample)  # a CP rank's head and loss see its part of each sequence
     blocks = (per_sample - ends) * layers / max(w.shape.layers, 1) + kept_kv
     per_micro = w.micro_batch / w.microbatches
     first, last = in_flight(w.pp_schedule, d.pp, w.microbatches, w.pp_virtual_stages)
@@ -244,8 +256,9 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
 
 def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:
     """One rank's memory at the peak of a step, term by term, as the trainer allocates it."""
-    # The loss's temporaries: on the stage that computes the loss, per microbatch in flight there.
-    temps = w.loss_temps(d) * w.micro_batch / (w.microbatches if d.pp > 1 else 1)
+    # The loss's temporaries: on the stage that computes the loss, per microbatch in flight there, of
+    # this rank's part of each sequence under cp (as activation_memory counts them).
+    temps = w.loss_temps(d) * w.micro_batch / (w.microbatches if d.pp > 1 else 1) / d.cp
     return dataclasses.replace(layout_memory(w.shape, strategy, d, w.precision),
                                activation_bytes=activation_memory(w, d), loss_temp_bytes=temps)
 
@@ -256,13 +269,14 @@ def layout_memory(shape: Shape, strategy: str, d: ParallelDims, precision: str) 
     working set, what is reduced or updated after backward): kept per layout, since the search
     holds every micro-batch, schedule and checkpointing of a layout against them."""
     states = state_memory(shape, strategy, d, precision)
-    masters = precision in BF16_PARAMS and not d.uses_fsdp  # the optimizer holds fp32 masters beside the moments
+    fsdp = fsdp_wraps(strategy, d)
+    masters = precision in BF16_PARAMS and not fsdp  # the optimizer holds fp32 masters beside the moments
     per_updated = MOMENT_BYTES + (MASTER_BYTES if masters else 0)
-    buckets = d.dp_replicate_enabled and not d.uses_fsdp  # DDP: gradients are views of its buckets
+    buckets = gradient_replicas(strategy, d) > 1 and not fsdp  # DDP: gradients are views of its buckets
     return dataclasses.replace(states, grads_in_backward=states.grad_bytes if buckets else 0.0,
                                gathered_root_bytes=fsdp_gathered_root(shape, strategy, d, precision),
                                working_bytes=fsdp_working_set(shape, strategy, d, precision),
-                               tail_bytes=max(fsdp_root_reduce(shape, d, precision),
+                               tail_bytes=max(fsdp_root_reduce(shape, strategy, d, precision),
                                               optimizer_step_bytes(states.optim_bytes / per_updated)))
 
 

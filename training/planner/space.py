@@ -98,8 +98,8 @@ def layouts(world: int, shape: Shape, context_parallel: bool = False) -> Iterato
 
 def expert_layouts(shape: Shape, d: ParallelDims) -> Iterator[ParallelDims]:
     """`d` with each expert-parallel degree > 1 its MoE layers allow (expert_parallel_problem):
-    dividing the data-parallel ranks and every layer's experts."""
-    for ep in divisors(d.dp_size)[1:] if shape.experts else []:
+    dividing the data- and context-parallel ranks and every layer's experts."""
+    for ep in divisors(d.dp_size * d.cp)[1:] if shape.experts else []:
         split = dataclasses.replace(d, ep=ep)
         if expert_parallel_problem(split, False, shape.experts) is None:
             yield split

@@ -125,11 +125,12 @@ def pure() -> list[str]:
 
 def flavour_of(strategy: StrategyConfig, d: ParallelDims) -> str:
     """The data-parallel flavour a configured strategy trains with (what the cost model charges):
-    its own when it is one; else by its degrees, FSDP's (resharding or not) when it shards, the
-    simplest when it does not."""
-    if get(strategy.name).is_flavour:
+    its own when it is one; else by its degrees, FSDP's (resharding or not) when it shards (over
+    dp_shard x cp: ParallelDims.gradient_ranks), the simplest when it does not."""
+    declared = get(strategy.name)
+    if declared.is_flavour:
         return strategy.name
-    if d.dp_shard > 1:
+    if d.gradient_ranks(declared.wrapper)[1] > 1:
         return next(f.name for f in flavours()
                     if f.wrapper == "fsdp" and f.reshard_after_forward == strategy.reshard)
     return flavours()[0].name
