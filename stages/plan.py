@@ -256,6 +256,9 @@ def whatif(cfg: PlanInputs) -> PlanResult:
     w = workload(cfg, anatomy)
     hw = hardware(cfg, own.executed_flops_per_sample, None, None, w.micro_batch)
     fields, reasons = advise_plan(cfg, anatomy, costs, hw, w, None)
+    if anatomy.shape.experts:
+        reasons.append(f"experts' GEMMs: not timed in a what-if (no device to time them on): the experts run at "
+                       f"cluster.achievable_mfu={cfg.cluster.achievable_mfu:g} like the rest, whatever rows each gets")
     best = fields["recommended"]
     result = PlanResult(best.strategy if best is not None else cfg.strategy.name, reasons,
                         int(best.memory_per_device_bytes) if best is not None else 0, anatomy.flops_per_sample, None,

@@ -17,6 +17,7 @@ from stages.bandwidth import BandwidthResult
 from stages.common import workbench
 from training import strategies
 from training.config import StrategyConfig
+from training.expert_gemms import MAX_WEIGHT_BYTES, ExpertGemms
 from training.memory import AuditRow
 from training.planner.advice import (
     PlanInputs,
@@ -63,6 +64,10 @@ class Rulers:
     """None: the whole model was timed on one device. Else the model exceeds one device's budget:
     a slice of this many blocks (with embeddings and head) was timed, and `step_compute_s` is its
     per-block cost carried to the full depth (and `param_bytes` ... `peak_memory_bytes` the slice's)."""
+    expert_gemms: ExpertGemms | None = None
+    """A mixture of experts: its experts' GEMMs at their routed rows per expert-parallel degree
+    against one GEMM of the same FLOPs, timed on this device (None: a dense model, or experts too
+    large to time, which ruler_reasons says)."""
 
 
 def _timed_steps(step) -> float:  # noqa: ANN001 - a zero-argument callable
@@ -124,6 +129,7 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult, anatomy: Anatomy) -> Ru
     device_bytes = (budget_bytes(cfg) or cfg.plan.device_memory_bytes
                     or usable_device_bytes(bandwidth, memory.reserve_ratio)
                     or device_memory_bytes(dev, cfg.procs_per_node))
+    gemms = expert_gemms(cfg, anatomy, micro, dev)
     if blocks is None:
         anatomy = dataclasses.replace(anatomy, activations=Activations(saved=memory.activation_bytes / micro))
     else:  # the slice's step, carried to the whole depth; the activations stay the meta count's
@@ -148,7 +154,27 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult, anatomy: Anatomy) -> Ru
         ruler_gbps=bandwidth.ruler_gbps,
         memory_audit=audit,
         sliced_blocks=blocks,
+        expert_gemms=gemms,
     )
+
+
+def expert_gemms(cfg: PlanInputs, anatomy: Anatomy, micro: int, dev) -> ExpertGemms | None:  # noqa: ANN001 - a device
+    """The experts' GEMMs timed at each expert-parallel degree the world allows (dividing the
+    experts and the ranks), in the run's precision, for the tokens a rank routes in a micro-batch."""
+    import torch
+
+    from training.expert_gemms import expert_width, measure_expert_gemms
+    from training.parallel.compose import DTYPES
+
+    shape = anatomy.shape
+    if not shape.experts:
+        return None
+    experts = max(shape.experts)
+    world = cfg.nodes * cfg.procs_per_node
+    degrees = [ep for ep in range(1, experts + 1) if experts % ep == 0 and world % ep == 0]
+    width = expert_width(shape.expert_params, shape.moe_layers, experts, shape.hidden)
+    return measure_expert_gemms(shape.hidden, width, experts, shape.top_k, micro * shape.seq_len, degrees,
+                                DTYPES[cfg.strategy.precision] or torch.float32, dev)
 
 
 def usable_device_bytes(bandwidth: BandwidthResult, reserve_ratio: float) -> int | None:
@@ -275,6 +301,11 @@ def ruler_reasons(r: Rulers, cfg: PlanInputs, world: int) -> list[str]:
         reasons.append(f"overhead: each strategy's wrapper, measured on one rank, adds to the "
                        f"{r.step_compute_s * 1e3:.1f} ms step: {measured or 'none measured'}"
                        + (f"; {missing}" if missing else ""))
+    if r.expert_gemms is not None:
+        reasons.append(r.expert_gemms.describe())
+    elif r.anatomy.shape.experts:
+        reasons.append(f"experts' GEMMs: not timed (one layer's experts outweigh the {MAX_WEIGHT_BYTES // 2**20} MiB "
+                       "the measurement allocates)")
     micro = cfg.train.micro_batch_for(data_parallel_size(cfg))
     density = r.flops_per_sample * micro * cfg.train.grad_accum / max(r.grad_bytes, 1)
     reasons.append(f"compute density: {r.flops_per_sample:.3g} FLOPs per sample, {density:.0f} FLOPs per gradient "
