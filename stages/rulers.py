@@ -25,10 +25,11 @@ from training.planner.advice import (
     data_parallel_size,
     described_hardware,
 )
-from training.planner.hardware import Hardware, measured_links
+from training.planner.hardware import EXPERT_DISPATCH, Hardware, measured_links
 from training.planner.shape import Activations, Anatomy
 
 TIMED_STEPS = 5
+DISPATCH_SAID = "'s dispatch (its experts split on one rank)"
 MAX_TIMED_STEPS = 50
 TIMED_BUDGET_S = 1.0
 
@@ -49,7 +50,8 @@ class Rulers:
     step_compute_s: float
     """Median measured time of one micro-batch forward + backward + step on one device."""
     strategy_overhead_s: dict[str, float]
-    """Per strategy: what its wrapper adds to that step, measured on a one-rank process group."""
+    """Per strategy: what its wrapper adds to that step, measured on a one-rank process group; for
+    a mixture of experts also `ep`: what expert parallelism's dispatch adds (training/overhead.py)."""
     overhead_not_measured: dict[str, str]
     """Strategy -> why its overhead could not be measured (taken as none)."""
     threads: int
@@ -296,7 +298,8 @@ def ruler_reasons(r: Rulers, cfg: PlanInputs, world: int) -> list[str]:
     else:
         reasons.append(f"bandwidth: all_reduce busbw {r.busbw_gbps:.2f} GB/s >= {r.ruler_gbps:g} GB/s ruler")
     if r.strategy_overhead_s or r.overhead_not_measured:
-        measured = ", ".join(f"{k} +{v * 1e3:.1f} ms" for k, v in sorted(r.strategy_overhead_s.items()))
+        measured = ", ".join(f"{k}{DISPATCH_SAID if k == EXPERT_DISPATCH else ''} +{v * 1e3:.1f} ms"
+                             for k, v in sorted(r.strategy_overhead_s.items()))
         missing = "; ".join(f"{k} not measured ({why})" for k, why in sorted(r.overhead_not_measured.items()))
         reasons.append(f"overhead: each strategy's wrapper, measured on one rank, adds to the "
                        f"{r.step_compute_s * 1e3:.1f} ms step: {measured or 'none measured'}"

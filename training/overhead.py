@@ -30,6 +30,7 @@ from training import strategies as registry
 from training.config import ModelConfig, StrategyConfig
 from training.contract.calls import Batch, LossFn
 from training.dist import synchronize
+from training.planner.hardware import EXPERT_DISPATCH
 
 if TYPE_CHECKING:
     from training.parallel.compose import Parallel
@@ -128,4 +129,37 @@ def measure_overheads(
                 diffs.append(median_step(wrapped) - plain_s)
             seconds[strategy] = max(statistics.median(diffs), 0.0)
             del net, wrapped
+        dispatch = _expert_dispatch(model, model_cfg, base, dev, loss, stepper, median_step, bare, rounds, bare_times)
+        if dispatch is not None:
+            seconds[EXPERT_DISPATCH] = dispatch
     return Overheads(seconds, statistics.median(bare_times) if bare_times else 0.0, not_measured)
+
+
+def _expert_dispatch(model: nn.Module, model_cfg: ModelConfig, base: StrategyConfig, dev: torch.device, loss: LossFn,
+                     stepper: Callable, median_step: Callable, bare: Callable[[], None], rounds: int,
+                     bare_times: list[float]) -> float | None:
+    """What expert parallelism's dispatch adds to the bare step: the model's experts modules
+    split by the real apply_ep over a one-rank expert group (its all-to-alls local copies, the rest
+    of its work as at any degree). None for a model without experts, or no room for the copy."""
+    from training.contract.spec import model_spec
+    from training.parallel.compose import trainable
+    from training.parallel.dims import ParallelDims
+    from training.parallel.ep import apply_ep, expert_groups
+
+    if not model_spec(model, model_cfg).experts(model, whole=True):
+        return None
+    try:
+        net = copy.deepcopy(model)
+        spec = model_spec(net, model_cfg)
+        apply_ep(spec.experts(net, whole=True), expert_groups(ParallelDims(), 1, dev.type))
+        split = stepper(*trainable(net, spec, base, dev, loss))
+        split()
+        split()
+    except torch.OutOfMemoryError:
+        return None
+    diffs = []
+    for _ in range(rounds):
+        plain_s = median_step(bare)
+        bare_times.append(plain_s)
+        diffs.append(median_step(split) - plain_s)
+    return max(statistics.median(diffs), 0.0)

@@ -22,6 +22,10 @@ def test_experts_split_over_context_parallel_ranks_train_and_are_predicted_as_tr
     # hybrid shards over dp_shard x cp as the trainer does (FSDP, resharding): charged as zero3.
     assert requested["flavour"] == "zero3"
     assert train["prediction"]["step_time_s"] == pytest.approx(requested["step_time_s"])
+    # The dispatch's host work, measured on one rank, is in the overhead of the layout that splits the experts.
+    dispatch = plan["rulers"]["strategy_overhead_s"]["ep"]
+    assert dispatch > 0 and train["prediction"]["components"]["overhead_s"] >= dispatch
+    assert any("ep's dispatch (its experts split on one rank) +" in r for r in plan["reasons"])
     # The experts' GEMMs timed at ep=1 and 2: micro-batch 4 of 32 tokens, 2 of 4 experts a token.
     gemms = plan["rulers"]["expert_gemms"]
     assert (gemms["degrees"], gemms["rows"], gemms["hidden"], gemms["width"]) == ([1, 2], [64, 128], 64, 512)

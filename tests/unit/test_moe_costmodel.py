@@ -196,3 +196,29 @@ def test_the_search_offers_ep_where_the_trainer_can_split_the_experts():
     assert feasible(splittable, ParallelDims(dp_shard=2, tp=2, ep=2), None)  # ep beside tp trains
     assert feasible(dataclasses.replace(splittable, context_parallel=True),
                     ParallelDims(dp_shard=2, cp=2, ep=2), None)  # ep with cp trains
+
+
+def test_the_expert_dispatchs_measured_host_work_is_added_under_ep_only():
+    """Expert parallelism's dispatch, measured on one rank (Hardware.overhead_s[EXPERT_DISPATCH], per
+    micro-batch step), joins the overhead of every layout that splits the experts: once per
+    accumulation step, and on a pipeline stage once per microbatch for its share of the layers
+    (microbatches / pp); a layout with the experts whole pays none of it."""
+    from training.planner.hardware import EXPERT_DISPATCH, Hardware
+    from training.planner.predict import predict_layout
+
+    links = {c: Link(alpha_s=1e-5, busbw_gbps=10.0, world=8)
+             for c in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")}
+    bare = Hardware(80e9, 8, links, links, seconds_per_sample=1e-3, overhead_s={"zero3": 1e-3})
+    measured = dataclasses.replace(bare, overhead_s={"zero3": 1e-3, EXPERT_DISPATCH: 4e-3})
+
+    def overhead(hw, d, accum=1, microbatches=1):
+        w = Workload(shape=SHAPE, micro_batch=4, grad_accum=accum, microbatches=microbatches, precision="fp32",
+                     checkpointing="none", tokens_per_sample=32, activations=Activations(1e3))
+        return predict_layout(w, hw, "zero3", d, float("inf"), 0.0, 1.0).overhead_s
+
+    assert overhead(measured, ParallelDims(dp_shard=4)) == overhead(bare, ParallelDims(dp_shard=4)) == pytest.approx(1e-3)
+    assert overhead(measured, ParallelDims(dp_shard=4, ep=2)) == pytest.approx(1e-3 + 4e-3)
+    assert overhead(measured, ParallelDims(dp_shard=4, ep=2), accum=2) == pytest.approx(2 * (1e-3 + 4e-3))
+    staged = ParallelDims(dp_shard=2, pp=2, ep=2)
+    assert overhead(measured, staged, microbatches=4) - overhead(bare, staged, microbatches=4) == pytest.approx(
+        4e-3 * 4 / 2)

@@ -126,6 +126,28 @@ def test_strategy_overheads_are_measured_on_a_one_rank_group_that_is_then_gone()
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
 
 
+def test_expert_parallelisms_dispatch_is_measured_for_a_mixture_of_experts():
+    """A MoE GPT's experts split by the real apply_ep over a one-rank expert group: the dispatch's
+    host work (grouping by expert, counts read back, regrouping, the local all-to-all copies) timed
+    against the bare step, under its own key; the model measured keeps its own experts."""
+    import torch.distributed as dist
+
+    from training.overhead import measure_overheads
+    from training.planner.hardware import EXPERT_DISPATCH
+
+    torch.set_num_threads(1)
+    cfg = ModelConfig(kwargs=dict(vocab_size=256, seq_len=32, d_model=64, n_layers=2, n_heads=4, n_experts=4, top_k=2))
+    model = build_model(cfg, seed=0)
+    batch = default_collate([markov(8, 32, 256)[i] for i in range(4)])
+    result = measure_overheads(model, cfg, model_loss(cfg), batch, ["ddp"], torch.device("cpu"), grad_clip=1.0,
+                               base=StrategyConfig(), rounds=2, steps=2)
+    assert set(result.seconds) == {"ddp", EXPERT_DISPATCH}
+    assert result.seconds[EXPERT_DISPATCH] > 0, "measured: about 0.8 of gpt-moe-tiny's bare step on this host"
+    assert not dist.is_initialized()
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert not any(type(m.forward).__name__ == "ExpertParallel" for m in model.modules() if "forward" in vars(m))
+
+
 def test_step_marks_time_each_step_on_the_host(monkeypatch):
     """On CPU a mark is the host clock at each step's start: the intervals are the differences
     (a scripted clock, so a loaded host can't move the answer)."""

@@ -14,6 +14,11 @@ if TYPE_CHECKING:
     from training.collectives import Measurement
 from training.shared_cores import SharedCores, time_share
 
+EXPERT_DISPATCH = "ep"
+"""Hardware.overhead_s's key for what expert parallelism's dispatch adds to a micro-batch step on
+one rank, beside its all-to-alls: grouping and regrouping the routed slots by expert, the counts
+read back to the host, the buffers copied (training/overhead.py measures it)."""
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -37,7 +42,8 @@ class Hardware:
     cost of a collective issued between compute. None: the cores' time-sharing alone, no call cost."""
     overhead_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Per strategy: what its wrapper adds to one micro-batch step, measured on one rank
-    (training/overhead.py); a strategy not in it (a what-if cluster, pp) is taken to add nothing."""
+    (training/overhead.py); a strategy not in it (a what-if cluster, pp) is taken to add nothing.
+    Under EXPERT_DISPATCH, what expert parallelism's dispatch adds (a mixture of experts)."""
     inter_single: dict[str, Link] = dataclasses.field(default_factory=dict)
     """α–β per collective across nodes with one rank per node (the data-parallel group of a
     node-local TP layout): what one rank's share of the node's NICs carries. Measured by the

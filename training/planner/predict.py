@@ -10,7 +10,7 @@ from training import strategies
 from training.parallel.dims import ParallelDims
 from training.planner.calibration import Calibration
 from training.planner.comm import comm_time
-from training.planner.hardware import Hardware
+from training.planner.hardware import EXPERT_DISPATCH, Hardware
 from training.planner.memory import memory_per_device
 from training.planner.step import StepPrediction, step_time
 from training.planner.workload import Workload, feasible
@@ -79,6 +79,9 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: ParallelDims, mem
     compute = (per_sample * hw.contention(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp * d.cp)
                * w.expert_straggler(d) * w.tp_unsplit(d))
     overhead = hw.strategy_overhead(flavour, devices) * w.grad_accum
+    if d.ep > 1:  # the dispatch's host work: per MoE layer and call, a stage's layers for each of its microbatches
+        calls = w.microbatches / d.pp if d.pp > 1 else 1
+        overhead += hw.strategy_overhead(EXPERT_DISPATCH, devices) * w.grad_accum * calls
     # Each collective follows its share of the step's compute: the stretch the ranks drift over.
     step = step_time(compute, comm, d, w.microbatches, overlap, overhead, w.pp_schedule, w.pp_virtual_stages,
                      hw.call_cost(devices, (compute + overhead) / max(comm.calls, 1)))
