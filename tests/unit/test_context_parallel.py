@@ -168,13 +168,14 @@ def test_a_cp_layout_that_fits_passes_the_checks():
     dict(name="ddp", cp=2), dict(name="zero1", cp=2), dict(name="zero3", cp=2), dict(name="zero2", cp=2),
     dict(name="hybrid", cp=2), dict(name="hybrid", cp=2, reshard_after_forward=False), dict(name="hybrid", cp=2, tp=2),
     dict(name="hybrid", dp_replicate=2, dp_shard=1, tp=2), dict(name="ddp"), dict(name="tp", cp=2),
+    dict(name="ddp", cp=2, tp=2),
 ], ids=lambda f: "-".join(f"{k}{v}" for k, v in f.items()))
 def test_the_planner_charges_the_wrapper_the_trainer_applies(fields):
     """The flavour the cost model charges a configured strategy (flavour_of) wraps in FSDP exactly
     when the trainer does (compose.techniques), CP ranks included: a DDP strategy replicates over
     them, any other shards over dp_shard x cp."""
     from training import strategies
-    from training.planner.memory import fsdp_wraps
+    from training.planner.memory import fsdp_wraps, states_per_param
     from training.strategies import flavour_of
 
     strategy = StrategyConfig(**fields)
@@ -183,5 +184,11 @@ def test_the_planner_charges_the_wrapper_the_trainer_applies(fields):
     dims = resolve_dims(strategy, world)
     flavour = flavour_of(strategy, dims)
     assert fsdp_wraps(flavour, dims) == techniques(strategy, dims).fsdp
+    # The optimizer's moments (8 bytes a parameter) sharded over what FSDP shards over: dp_shard x cp,
+    # or dp_shard alone where a DDP strategy's CP ranks are replicas (HSDP for a TP model).
+    # (zero1 shards its optimizer over every rank of a replica either way.)
+    _, shards = dims.gradient_ranks(strategies.get(strategy.name).wrapper)
+    if not strategies.get(flavour).shards_optimizer_only:
+        assert states_per_param(flavour, dims, "fp32")[2] == 8 / (shards if fsdp_wraps(flavour, dims) else 1)
     if techniques(strategy, dims).fsdp:
         assert strategies.get(flavour).reshard_after_forward == strategy.reshard

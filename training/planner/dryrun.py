@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from training import strategies as registry
 from training.config import ModelConfig, StrategyConfig
 from training.contract.calls import build_model, model_loss
 from training.contract.spec import model_spec
@@ -57,7 +58,8 @@ def rank_share(model_cfg: ModelConfig, strategy: StrategyConfig, world: int, ran
         held = stored
         if fsdp_wraps(strategy.name, dims) and keeps_gathered(strategy.name, strategy.reshard):
             # FSDP shards over dp_shard x cp (training/parallel/dims.py): a unit gathers from all of them.
-            gathered = sum(p.to_local().numel() for p in parallel.model.parameters()) * dims.gradient_ranks("fsdp")[1]
+            shards = dims.gradient_ranks(registry.get(strategy.name).wrapper)[1]
+            gathered = sum(p.to_local().numel() for p in parallel.model.parameters()) * shards
             held += gathered * COMPUTE_BYTES[strategy.precision]
         return RankShare(rank, dims.coordinates(rank), held, stored, optim, len(spec.live_blocks()))
     finally:

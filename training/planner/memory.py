@@ -142,7 +142,7 @@ def states_per_param(strategy: str, d: ParallelDims, precision: str, reshard: bo
       (4 + 2, 4, 8); fp32: 4 + 4 + 8. DDP's gradients are views of its buckets: no second copy."""
     c = COMPUTE_BYTES[precision]
     if fsdp_wraps(strategy, d):
-        n = shards or d.gradient_ranks("fsdp")[1]  # dp_shard x cp: context-parallel ranks hold the same parameters
+        n = shards or d.gradient_ranks(strategies.get(strategy).wrapper)[1]  # dp_shard, x cp unless DDP's replicas
         gathered = c if keeps_gathered(strategy, reshard) else 0.0
         return MASTER_BYTES / n + gathered, MASTER_BYTES / n, MOMENT_BYTES / n
     sharded = d.dp_size * d.cp if strategies.get(strategy).shards_optimizer_only else 1
