@@ -108,6 +108,16 @@ def measure_overheads(
             return Overheads({}, 0.0, {s: reason for s in wanted} | not_measured)
         bare = stepper(*trainable(model, model_spec(model, model_cfg), base, dev, loss))
         bare()  # the optimizer's state is allocated on the first step
+
+        def added(wrapped: Callable[[], None]) -> float:
+            """`wrapped`'s step minus the bare one, the two alternating over `rounds`."""
+            diffs = []
+            for _ in range(rounds):
+                plain_s = median_step(bare)
+                bare_times.append(plain_s)
+                diffs.append(median_step(wrapped) - plain_s)
+            return max(statistics.median(diffs), 0.0)
+
         for strategy in wanted:
             try:  # a second copy of the model and its optimizer state must fit beside the first
                 net = copy.deepcopy(model)
@@ -122,25 +132,20 @@ def measure_overheads(
             except ContractError as err:
                 not_measured[strategy] = str(err)
                 continue
-            diffs = []
-            for _ in range(rounds):
-                plain_s = median_step(bare)
-                bare_times.append(plain_s)
-                diffs.append(median_step(wrapped) - plain_s)
-            seconds[strategy] = max(statistics.median(diffs), 0.0)
+            seconds[strategy] = added(wrapped)
             del net, wrapped
-        dispatch = _expert_dispatch(model, model_cfg, base, dev, loss, stepper, median_step, bare, rounds, bare_times)
-        if dispatch is not None:
-            seconds[EXPERT_DISPATCH] = dispatch
+        split = _expert_dispatch(model, model_cfg, base, dev, loss, stepper)
+        if split is not None:
+            seconds[EXPERT_DISPATCH] = added(split)
     return Overheads(seconds, statistics.median(bare_times) if bare_times else 0.0, not_measured)
 
 
 def _expert_dispatch(model: nn.Module, model_cfg: ModelConfig, base: StrategyConfig, dev: torch.device, loss: LossFn,
-                     stepper: Callable, median_step: Callable, bare: Callable[[], None], rounds: int,
-                     bare_times: list[float]) -> float | None:
-    """What expert parallelism's dispatch adds to the bare step: the model's experts modules
-    split by the real apply_ep over a one-rank expert group (its all-to-alls local copies, the rest
-    of its work as at any degree). None for a model without experts, or no room for the copy."""
+                     stepper: Callable) -> Callable[[], None] | None:
+    """A warm step of a copy of `model` whose experts modules are split by the real apply_ep over a
+    one-rank expert group (its all-to-alls local copies, the rest of its work as at any degree):
+    timed against the bare step, what expert parallelism's dispatch adds. None for a model without
+    experts, or no room for the copy."""
     from training.contract.spec import model_spec
     from training.parallel.compose import trainable
     from training.parallel.dims import ParallelDims
@@ -157,9 +162,4 @@ def _expert_dispatch(model: nn.Module, model_cfg: ModelConfig, base: StrategyCon
         split()
     except torch.OutOfMemoryError:
         return None
-    diffs = []
-    for _ in range(rounds):
-        plain_s = median_step(bare)
-        bare_times.append(plain_s)
-        diffs.append(median_step(split) - plain_s)
-    return max(statistics.median(diffs), 0.0)
+    return split

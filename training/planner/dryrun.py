@@ -12,13 +12,12 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from training import strategies as registry
 from training.config import ModelConfig, StrategyConfig
 from training.contract.calls import build_model, model_loss
 from training.contract.spec import model_spec
 from training.memory import state_bytes
 from training.parallel.compose import TIMED_LR, build_optimizer, parallelize, resolve_dims
-from training.planner.memory import fsdp_wraps, keeps_gathered
+from training.planner.memory import fsdp_wraps, gradient_ranks, keeps_gathered
 from training.planner.shape import COMPUTE_BYTES
 from training.units import GIB
 
@@ -58,8 +57,7 @@ def rank_share(model_cfg: ModelConfig, strategy: StrategyConfig, world: int, ran
         held = stored
         if fsdp_wraps(strategy.name, dims) and keeps_gathered(strategy.name, strategy.reshard):
             # FSDP shards over dp_shard x cp (training/parallel/dims.py): a unit gathers from all of them.
-            shards = dims.gradient_ranks(registry.get(strategy.name).wrapper)[1]
-            gathered = sum(p.to_local().numel() for p in parallel.model.parameters()) * shards
+            gathered = sum(p.to_local().numel() for p in parallel.model.parameters()) * gradient_ranks(strategy.name, dims)[1]
             held += gathered * COMPUTE_BYTES[strategy.precision]
         return RankShare(rank, dims.coordinates(rank), held, stored, optim, len(spec.live_blocks()))
     finally:

@@ -122,9 +122,10 @@ def fsdp_wraps(strategy: str, d: ParallelDims) -> bool:
     return d.uses_fsdp(strategies.get(strategy).wrapper)
 
 
-def gradient_replicas(strategy: str, d: ParallelDims) -> int:
-    """The ranks `strategy`'s gradient wrapper replicates over at `d` (ParallelDims.gradient_ranks)."""
-    return d.gradient_ranks(strategies.get(strategy).wrapper)[0]
+def gradient_ranks(strategy: str, d: ParallelDims) -> tuple[int, int]:
+    """(replicas, shards): the ranks `strategy`'s gradient wrapper replicates and shards over at `d`
+    (ParallelDims.gradient_ranks)."""
+    return d.gradient_ranks(strategies.get(strategy).wrapper)
 
 
 def states_per_param(strategy: str, d: ParallelDims, precision: str, reshard: bool = True,
@@ -142,7 +143,7 @@ def states_per_param(strategy: str, d: ParallelDims, precision: str, reshard: bo
       (4 + 2, 4, 8); fp32: 4 + 4 + 8. DDP's gradients are views of its buckets: no second copy."""
     c = COMPUTE_BYTES[precision]
     if fsdp_wraps(strategy, d):
-        n = shards or d.gradient_ranks(strategies.get(strategy).wrapper)[1]  # dp_shard, x cp unless DDP's replicas
+        n = shards or gradient_ranks(strategy, d)[1]  # dp_shard, x cp unless DDP's replicas
         gathered = c if keeps_gathered(strategy, reshard) else 0.0
         return MASTER_BYTES / n + gathered, MASTER_BYTES / n, MOMENT_BYTES / n
     sharded = d.dp_size * d.cp if strategies.get(strategy).shards_optimizer_only else 1
@@ -272,7 +273,7 @@ def layout_memory(shape: Shape, strategy: str, d: ParallelDims, precision: str) 
     fsdp = fsdp_wraps(strategy, d)
     masters = precision in BF16_PARAMS and not fsdp  # the optimizer holds fp32 masters beside the moments
     per_updated = MOMENT_BYTES + (MASTER_BYTES if masters else 0)
-    buckets = gradient_replicas(strategy, d) > 1 and not fsdp  # DDP: gradients are views of its buckets
+    buckets = gradient_ranks(strategy, d)[0] > 1 and not fsdp  # DDP: gradients are views of its buckets
     return dataclasses.replace(states, grads_in_backward=states.grad_bytes if buckets else 0.0,
                                gathered_root_bytes=fsdp_gathered_root(shape, strategy, d, precision),
                                working_bytes=fsdp_working_set(shape, strategy, d, precision),
