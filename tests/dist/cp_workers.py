@@ -11,7 +11,7 @@ from training.config import ModelConfig, StrategyConfig
 def _block_saved_bytes(model: nn.Module, blocks: list[nn.Module], run) -> int:
     """Bytes autograd saves for backward while a block's forward runs (each storage once,
     parameters excluded), over one forward and backward of `run`."""
-    from training.memory import storage_id
+    from training.memory import packed, storage_id
 
     params = {storage_id(p) for p in model.parameters()}
     depth = [0]
@@ -21,7 +21,7 @@ def _block_saved_bytes(model: nn.Module, blocks: list[nn.Module], run) -> int:
         key = storage_id(t)
         if depth[0] > 0 and key not in params:
             seen[key] = t.untyped_storage().nbytes()
-        return t
+        return packed(t)
 
     handles = []
     for block in blocks:

@@ -257,15 +257,17 @@ def _pipeline_step(schedule, loss_box: _ScaledLoss, microbatches: int, first: bo
         inputs, targets = batch
         loss_box.scale = scale / microbatches
         losses: list[torch.Tensor] = []
+        # return_outputs=False: else the last stage keeps every microbatch's logits to the step's
+        # end, to hand them back merged, and the trainer needs only the losses.
         with ctx():
             if first and last:
-                schedule.step(inputs, target=targets, losses=losses)
+                schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
             elif first:
-                schedule.step(inputs)
+                schedule.step(inputs, return_outputs=False)
             elif last:
-                schedule.step(target=targets, losses=losses)
+                schedule.step(target=targets, losses=losses, return_outputs=False)
             else:
-                schedule.step()
+                schedule.step(return_outputs=False)
         if not losses:
             return torch.zeros((), device=dev)
         # Each microbatch's loss came scaled by 1/microbatches: their sum is the micro-batch's mean.

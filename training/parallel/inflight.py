@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from training.memory import packed
+
 
 @dataclass(frozen=True)
 class InFlightPeak:
@@ -32,6 +34,9 @@ class InFlightPeak:
     """Peak bytes of the tensors autograd held for backward (each storage once)."""
     microbatch_bytes: int
     """Bytes one microbatch saves through all of this rank's chunks (its first microbatch)."""
+    chunk_microbatches_each: tuple[int, ...] = ()
+    """Per chunk, the most of its microbatches in flight at once: the last stage's chunk tells how
+    many microbatches' head and loss activations the schedule holds."""
 
 
 class _Held:
@@ -87,7 +92,7 @@ class InFlight:
         storage = t.untyped_storage()
         key = storage._cdata
         if key in self._params:
-            return _Held(t, lambda: None)
+            return _Held(packed(t), lambda: None)
         held = self._storages.setdefault(key, [0, storage.nbytes()])
         if held[0] == 0:
             self._bytes += held[1]
@@ -106,9 +111,12 @@ class InFlight:
             if self._live[tag] == 0:
                 del self._live[tag]
 
-        return _Held(t, release)
+        return _Held(packed(t), release)
 
     def _record(self) -> None:
         stages = sum(self.weights[chunk] for chunk, _ in self._live)
+        each = [sum(1 for chunk, _ in self._live if chunk == i) for i in range(len(self.chunks))]
+        before = self.peak.chunk_microbatches_each or (0,) * len(self.chunks)
         self.peak = InFlightPeak(max(self.peak.stages, stages), max(self.peak.chunk_microbatches, len(self._live)),
-                                 max(self.peak.saved_bytes, self._bytes), sum(self._first_bytes.values()))
+                                 max(self.peak.saved_bytes, self._bytes), sum(self._first_bytes.values()),
+                                 tuple(max(a, b) for a, b in zip(before, each, strict=True)))

@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from training.contract.spec import ModelSpec
-from training.memory import storage_id
+from training.memory import packed, storage_id
 
 STYLES = {  # "colwise": SharingColwise
     "rowwise": lambda: RowwiseParallel(),
@@ -300,7 +300,7 @@ class _SavingShards:
         self.gathered = gathered
         # Only the innermost saved-tensor hooks run: call the outer ones ourselves.
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        self.outer_pack, self.outer_unpack = outer if outer is not None else (_same, _same)
+        self.outer_pack, self.outer_unpack = outer if outer is not None else (packed, _same)
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
