@@ -20,14 +20,17 @@ linear's is whole under TP (its all-reduced sum), though produced inside the reg
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from training.memory import SavedActivations
+from training.memory import SavedActivations, packed
 from training.planner.shape import Activations
 
 
@@ -50,6 +53,11 @@ class TpSplit:
     """The part saved after the model's head (its logits, the loss's softmax), counted in
     `replicated_bytes` and `outside_blocks_bytes`: split over the TP ranks where the trainer splits
     the head by vocabulary (training/parallel/tp.py), as are the loss's temporaries."""
+    block_backward_bytes: int = 0
+    """The most a block's backward allocated beside what it was given and the weight gradients,
+    for the whole batch (BackwardTemporaries); not in `per_sample`: part of it is per sample (its
+    activations' gradients), part not (a weight-sized scratch), told apart by a second batch size
+    (training/planner/anatomy.py)."""
 
 
     def per_sample(self, samples: int, sequence_norms: bool = True) -> Activations:
@@ -103,19 +111,23 @@ def measure_tp_split(model: nn.Module, plan: dict[str, str], run: Callable[[], t
             module = modules[name]
             handles.append(module.register_forward_hook(lambda m, a, o, opened=opened: inside.__setitem__(0, opened)))
             handles += _flagging(module, opening if opened else closing)
+    temporaries = BackwardTemporaries(model, blocks)
     try:
         with saved:
-            run().backward()
+            loss = run()
+        with temporaries:
+            loss.backward()
     finally:
         for handle in handles:
             handle.remove()
+        temporaries.remove()
         model.zero_grad(set_to_none=True)
     total = saved.bytes
     whole = sum(n for k, n in saved.sizes.items() if k not in split_keys)
     outside = sum(n for k, n in saved.sizes.items() if k not in block_keys) if blocks else 0
     unsplit = sum(n for k, n in saved.sizes.items() if k not in block_keys | sequence_keys) if blocks else total
     after_head = sum(n for k, n in saved.sizes.items() if k in saved.head_keys)
-    return TpSplit(total, whole, outside, 2 * 4 * sum(outputs), unsplit, after_head)
+    return TpSplit(total, whole, outside, 2 * 4 * sum(outputs), unsplit, after_head, temporaries.block_peak)
 
 
 def _by_name(model: nn.Module) -> dict[str, nn.Module]:
@@ -149,6 +161,103 @@ def _numel(output: object) -> int:
     return logits.numel() if isinstance(logits, torch.Tensor) else 0
 
 
+def backward_temporaries(model: nn.Module, blocks: list[nn.Module] | tuple, run: Callable[[], torch.Tensor]) -> int:
+    """BackwardTemporaries' count for one forward (`run`, returning the loss) and its backward."""
+    temporaries = BackwardTemporaries(model, blocks)
+    try:
+        loss = run()
+        with temporaries:
+            loss.backward()
+    finally:
+        temporaries.remove()
+        model.zero_grad(set_to_none=True)
+    return temporaries.block_peak
+
+
+class BackwardTemporaries(TorchDispatchMode):
+    """The most bytes a block's backward holds beyond its start: the storages backward's ops
+    allocate while inside the block (its activations' gradients, an op's scratch), less what was
+    live when the block's backward began (the gradient it was given) and less the weight gradients
+    (counted as states; a parameter's hook names each). A block's allocations and frees are
+    replayed once it is done, without the weight gradients. Counted from the tensors, so on the
+    meta device too."""
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module] | tuple):
+        """Made before the forward whose backward it counts (a block's backward hooks are set up
+        as the block runs forward); entered around that backward."""
+        super().__init__()
+        self.block_peak = 0
+        self._live: dict[int, tuple[weakref.ref, int, int]] = {}
+        """id of a live storage -> (a weak reference whose callback records its end, bytes, serial)"""
+        self._serial = 0
+        self._events: list[tuple[int, int]] | None = None
+        """Inside a block's backward: (allocation serial, +bytes allocated or -bytes freed), in order."""
+        self._gradients: set[int] = set()
+        """Serials of the allocations that are weight gradients."""
+        self._handles: list = []
+        for block in blocks:
+            self._handles.append(block.register_full_backward_pre_hook(lambda m, g: self._begin()))
+            self._handles.append(block.register_full_backward_hook(lambda m, gi, go: self._end()))
+        for p in model.parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_hook(self._weight_gradient))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+        super().__exit__(*exc)
+
+    def _begin(self) -> None:
+        self._events = []
+
+    def _end(self) -> None:
+        now = peak = 0
+        for serial, delta in self._events or ():
+            if serial not in self._gradients:
+                now += delta
+                peak = max(peak, now)
+        self.block_peak = max(self.block_peak, peak)
+        self._events = None
+
+    def _weight_gradient(self, grad: torch.Tensor) -> None:
+        known = self._live.get(id(grad.untyped_storage()))
+        if known is not None:
+            self._gradients.add(known[2])
+
+    def _freed(self, key: int) -> None:
+        known = self._live.pop(key, None)
+        if known is not None and self._events is not None:
+            self._events.append((known[2], -known[1]))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            # Only what the op allocated: not a view of an input (a weight's transpose, a saved
+            # tensor reshaped), nor an input it wrote in place.
+            if isinstance(t, torch.Tensor) and not _aliases_an_input(t, args):
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self._live:
+                    self._serial += 1
+                    self._live[key] = (weakref.ref(storage, lambda ref, key=key: self._freed(key)), storage.nbytes(),
+                                       self._serial)
+                    if self._events is not None:
+                        self._events.append((self._serial, storage.nbytes()))
+        return out
+
+
+def _aliases_an_input(t: torch.Tensor, args: Any) -> bool:
+    """Whether `t` shares its storage with a tensor among `args` (one level of lists: what aten's
+    view and in-place ops take). Below autograd a view doesn't say it is one; its storage does."""
+    storage = t.untyped_storage()
+    flat = [b for a in args for b in (a if isinstance(a, (tuple, list)) else (a,))]
+    return any(isinstance(a, torch.Tensor) and a.untyped_storage() is storage for a in flat)
+
+
 class _Classifier(SavedActivations):
     """SavedActivations that also notes which storages were first saved inside a split region,
     inside a block, and inside a sequence-parallel norm."""
@@ -162,7 +271,7 @@ class _Classifier(SavedActivations):
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._classify(t, self.inside[0])
-        return t
+        return packed(t)
 
     def _kept(self, t: torch.Tensor) -> None:
         # An op's output kept by selective checkpointing: a column-split linear's is split, a

@@ -98,7 +98,9 @@ def predicted_and_measured(strategy: StrategyConfig, world: int, tmp_path,
 def test_the_memory_ruler_predicts_each_ranks_measured_peak_within_10_pct(tmp_path, world):
     """ddp, zero1, zero2, zero3, hsdp, tp and pp as the trainer runs them, each rank's live tensor
     storages tracked (training/budget.py): the prediction within 10 % of the highest rank's peak
-    (measured 0.97-1.03 for every layout at world 2 and 4, fp32, and for ddp, zero1 and zero3 in bf16)."""
+    (measured 0.99-1.01 for every layout at world 2 and 4, fp32, and for ddp, zero1 and zero3 in
+    bf16, but FSDP's at world 4: zero3 1.08, hsdp 1.07, where a block's backward temporaries and
+    FSDP's working set, both counted, are not all held at once)."""
     layouts = dict(LAYOUTS, **({"hsdp": dict(name="hybrid", dp_replicate=2, dp_shard=2)} if world == 4 else {}))
     ratios = {}
     for name, fields in layouts.items():
@@ -126,8 +128,9 @@ def test_the_memory_ruler_predicts_a_mixture_of_experts_with_and_without_expert_
     states per rank as `stage_params` counts them (experts / ep), the dispatch buffers among the
     activations the meta forward saves; and the same with cp=2, ep carved out of the CP ranks
     (ddp replicating over them, zero3 sharding over them; each rank's activations, loss
-    temporaries included, of its half of each sequence). Measured: 0.98 to 1.00, ep=2 under zero3
-    0.93 (its exchange's buffers are not counted), with cp=2 too."""
+    temporaries included, of its half of each sequence). Measured: 1.00 to 1.02, zero3 without ep
+    1.09 (with cp=2 too): a block's backward (its experts' gradients made whole-sized before they
+    are added, Activations.block_backward_fixed) and FSDP's working set are both counted."""
     ratios = {}
     for name, cp, ep in (("ddp", 1, 1), ("ddp", 1, 2), ("zero3", 1, 1), ("zero3", 1, 2), ("ddp", 2, 2),
                          ("zero3", 2, 1), ("zero3", 2, 2)):
@@ -145,5 +148,49 @@ def test_the_memory_ruler_predicts_context_parallelism_under_ddp_as_replicas(tmp
     ratios = {}
     for name in ("ddp", "zero3"):
         predicted, measured = predicted_and_measured(StrategyConfig(name=name, cp=2), 2, tmp_path)
+        ratios[name] = predicted / measured
+    assert all(0.9 <= r <= 1.1 for r in ratios.values()), ratios
+
+
+@pytest.mark.slow
+def test_the_memory_ruler_predicts_every_pipeline_schedule(tmp_path):
+    """pp=2 at world 2 under each schedule, the first and the last rank each held to their own
+    count (planner/memory.stage_activations): all but GPipe forward a microbatch after a backward
+    made the stage's gradients, so they are in the peak; each rank holds planner/pipeline.in_flight's
+    microbatches; a block's backward holds its activations' gradients beside them.
+
+    Measured: gpipe (m=4) 1.06, 1f1b (m=2, 4) 1.03 and 0.95, interleaved_1f1b 0.88, zero_bubble
+    0.87, zbv 0.78, dualpipev 0.86 (m=4, two stages a rank). 1F1B was 0.73 and 0.68 before five
+    fixes: the gradients counted; a block's backward counted; the first rank's extra microbatch gone
+    (torch's schedule infers shapes with a forward it never backwards, and the step probe's
+    saved-tensor hook kept that graph alive for the run: training/memory.py packed); the last rank's
+    logits of every microbatch gone (kept by the schedule unless step(return_outputs=False)); the
+    counts re-measured without the probe's cycle. Not counted, so below 1: the zero-bubble schedules
+    (zero_bubble, zbv, dualpipev) keep each input-gradient pass's output gradients until its weight
+    pass runs (~1.5 MB of zbv's 6.6 here); interleaved 1F1B's ~0.5 MB is not explained yet."""
+    layouts = {"gpipe": (4, 1), "1f1b-m2": (2, 1), "1f1b": (4, 1), "interleaved_1f1b": (4, 2), "zero_bubble": (4, 2),
+               "zbv": (4, 2), "dualpipev": (4, 2)}
+    ratios = {}
+    for name, (m, v) in layouts.items():
+        strategy = StrategyConfig(name="pp", pp_schedule=name.split("-")[0], microbatches=m, pp_virtual_stages=v)
+        predicted, measured = predicted_and_measured(strategy, 2, tmp_path / name)
+        ratios[name] = predicted / measured
+    split_backward = ("zero_bubble", "zbv", "dualpipev")
+    assert all(0.9 <= r <= 1.1 for name, r in ratios.items() if name not in split_backward + ("interleaved_1f1b",)), ratios
+    assert 0.85 <= ratios["interleaved_1f1b"] <= 1.1, ratios
+    assert all(0.75 <= ratios[name] <= 1.0 for name in split_backward), ratios
+
+
+@pytest.mark.slow
+def test_the_memory_ruler_predicts_full_recomputation_with_the_recomputed_block(tmp_path):
+    """Full activation checkpointing saves each block's input; the block whose backward runs is
+    recomputed, its activations and their gradients held meanwhile (Activations.block_backward,
+    counted on the meta device). Measured: ddp 1.02, zero3 1.05, pp (gpipe, m=2) 1.03; zero3 was
+    0.87 before the recomputed block was counted."""
+    ratios = {}
+    for name in ("ddp", "zero3", "pp"):
+        extra = {"microbatches": 2} if name == "pp" else {}
+        strategy = StrategyConfig(name=name, activation_checkpointing="full", **extra)
+        predicted, measured = predicted_and_measured(strategy, 2, tmp_path / name)
         ratios[name] = predicted / measured
     assert all(0.9 <= r <= 1.1 for r in ratios.values()), ratios

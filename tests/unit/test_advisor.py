@@ -106,7 +106,11 @@ def test_the_search_for_70b_on_1024_devices_recommends_a_fitting_layout(compose_
 
     result = whatif(plan_inputs(compose_cfg, "cluster=h100-80g-ndr", "model=gpt-70b", "nodes=128"))
     assert result.world_size == 1024 and result.recommended.fits
-    assert all(c.tokens_per_s <= result.recommended.tokens_per_s for c in result.candidates if c.fits)
+    from training.planner.ranking import TIE
+
+    # The fastest fitting layout, or a simpler one within TIE of it (planner/ranking.rank).
+    fastest = max(c.tokens_per_s for c in result.candidates if c.fits)
+    assert result.recommended.tokens_per_s >= (1 - TIE) * fastest
 
 
 def test_published_megatron_run_is_predicted_within_20_percent():

@@ -118,17 +118,20 @@ def test_each_schedules_bubble_by_hand(schedule, virtual, expected):
     assert pipeline_bubble(4, 8, schedule, virtual) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize(("schedule", "virtual", "first", "last"), [
-    ("gpipe", 1, 4, 4), ("1f1b", 1, 2, 1), ("interleaved_1f1b", 2, 2.5, 1.5), ("dualpipev", 2, 3, 3),
-    ("zero_bubble", 2, 3, 4), ("zbv", 2, 3, 4),
+@pytest.mark.parametrize(("schedule", "pp", "m", "virtual", "counts"), [
+    ("gpipe", 2, 4, 1, (4, 4, 4)), ("1f1b", 2, 4, 1, (2, 1, 1)), ("interleaved_1f1b", 2, 4, 2, (2.5, 1.5, 1)),
+    ("dualpipev", 2, 4, 2, (2.5, 2.5, 1)), ("zero_bubble", 2, 4, 2, (2, 2, 2)), ("zbv", 2, 4, 2, (2, 2, 1)),
+    ("gpipe", 4, 8, 1, (8, 8, 8)), ("1f1b", 4, 8, 1, (4, 1, 1)), ("interleaved_1f1b", 4, 8, 2, (5.5, 2.5, 1)),
+    ("dualpipev", 4, 8, 2, (4.5, 4.5, 1)), ("zero_bubble", 4, 8, 2, (4, 4, 4)), ("zbv", 4, 8, 2, (4, 4, 1)),
 ])
-def test_microbatches_in_flight_as_measured_at_pp2_m4(schedule, virtual, first, last):
-    """What tests/dist/test_pipeline_schedules.py measured (first rank, last rank): gpipe 4 and 4,
-    1f1b 2 and 1, interleaved 2.5 and 1.5, zero bubble and ZB-V 3 and 4; DualPipeV 3 on the first
-    (2.5 measured on the last: costed at p + 1 on both)."""
+def test_microbatches_in_flight_as_measured(schedule, pp, m, virtual, counts):
+    """What tests/dist/test_pipeline_schedules.py measured at pp=2, m=4 and pp=4, m=8 (first rank,
+    last rank, the last stage's own part): interleaved 1F1B's last rank p − (p − 1)/v (1.5, then
+    2.5, not the 1.75 an earlier formula, right only at pp=2, gave); zero bubble and ZB-V p
+    everywhere; DualPipeV p + 1/2; the last stage's part as many as GPipe's m, zero bubble's p, else one."""
     from training.planner.pipeline import in_flight
 
-    assert in_flight(schedule, 2, 4, virtual) == (first, last)
+    assert in_flight(schedule, pp, m, virtual) == counts
 
 
 def test_the_zero_bubble_family_is_not_laid_out_with_replicas_or_selective_checkpointing():

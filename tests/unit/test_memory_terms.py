@@ -125,6 +125,48 @@ def test_gpipe_keeps_every_microbatch_and_1f1b_at_most_the_stages():
     w = dataclasses.replace(w, pp_schedule="1f1b")
     assert activation_memory(w, d) == max(400.0 * 4, 600.0 * 2)
     assert activation_memory(dataclasses.replace(w, microbatches=1), d) == 600.0 * 8
+    # Interleaved over 2 stages a rank: 2.5 on the first rank, 1.5 on the last with one microbatch of
+    # the last stage's 200 (2 samples a microbatch); zero bubble: 2 on each, the last stage's part 2.
+    looped = dataclasses.replace(w, pp_schedule="interleaved_1f1b", pp_virtual_stages=2)
+    assert activation_memory(looped, d) == 2 * max(400 * 2.5, 400 * 1.5 + 200) == 2000
+    assert activation_memory(dataclasses.replace(looped, pp_schedule="zero_bubble"), d) == 2 * (400 * 2 + 200 * 2)
+
+
+def test_a_schedule_that_backwards_before_its_last_forward_holds_the_gradients_at_its_peak():
+    """GPipe forwards every microbatch before the first backward: its peak (backward's start)
+    holds no gradient of a pipeline stage that isn't DDP's. 1F1B (and every other schedule)
+    forwards a microbatch after a backward has made the stage's gradients: they are in its peak.
+    One microbatch has nothing after its backward."""
+    d = ParallelDims(pp=2)
+    w = dataclasses.replace(workload("gpipe", 4), activations=Activations(10000.0))  # activations make the peak
+    gpipe = memory_breakdown(w, "ddp", d)
+    assert gpipe.grads_in_backward == 0
+    assert gpipe.total == gpipe.param_bytes + gpipe.optim_bytes + gpipe.activation_bytes
+    for schedule in ("1f1b", "interleaved_1f1b", "zbv"):
+        m = memory_breakdown(dataclasses.replace(w, pp_schedule=schedule), "ddp", d)
+        assert m.grads_in_backward == m.grad_bytes > 0, schedule
+        assert m.total == m.states + m.activation_bytes, schedule
+    assert memory_breakdown(dataclasses.replace(w, pp_schedule="1f1b", microbatches=1), "ddp", d).grads_in_backward == 0
+
+
+def test_a_blocks_backward_holds_its_gradients_beside_the_activations_and_the_loss_is_on_the_last_rank():
+    """A block's backward holds 150 bytes a sample and 30 whatever the batch: at 8 samples 1230,
+    more than the loss's temporaries (100 a sample) gone by then. On a pipeline (pp 2 over 4
+    layers, 1F1B, 4 microbatches of 2; of 1000 bytes a sample, the last stage's own 200 and the
+    loss's 100, the blocks' 700) the first rank holds 2 microbatches of its blocks (350 a sample)
+    and no loss, more than the last rank's one (350 + 300): the loss's temporaries are not
+    subtracted from the first rank's count."""
+    w = dataclasses.replace(workload("1f1b", 1), activations=Activations(
+        1000.0, loss_temp=100.0, block_backward=150.0, block_backward_fixed=30.0))
+    m = memory_breakdown(w, "ddp", ParallelDims(dp_replicate=8))
+    assert m.working_bytes == 150 * 8 + 30 and m.loss_temp_bytes == 800
+    assert m.total == m.states + m.activation_bytes - 800 + 1230
+    piped = dataclasses.replace(w, microbatches=4, activations=Activations(
+        1000.0, outside_blocks=200.0, loss_temp=100.0, block_backward=150.0))
+    p = memory_breakdown(piped, "ddp", ParallelDims(pp=2))
+    first, last = 2 * 350 * 2, 2 * (350 + 300)  # 1F1B: 2 microbatches in flight on the first, 1 on the last
+    assert p.activation_bytes == max(first, last) == 1400
+    assert p.loss_temp_bytes == 0 and p.working_bytes == 150 * 2, "the first rank's peak: no loss there"
 
 
 def test_the_peak_is_the_highest_of_backwards_start_a_blocks_backward_and_after():

@@ -311,7 +311,7 @@ def count_on_meta(cfg: ModelConfig, seed: int, batch: Batch) -> Counted:
 
 
 def _measure_variant(cfg: ModelConfig, seed: int, sample: Batch, precision: str, checkpointing: str) -> VariantCost:
-    from training.activations import measure_tp_split
+    from training.activations import backward_temporaries, measure_tp_split
     from training.parallel.ac import apply_ac
 
     model, spec = build_on_meta(cfg, seed, precision)
@@ -323,13 +323,27 @@ def _measure_variant(cfg: ModelConfig, seed: int, sample: Batch, precision: str,
     head = spec.head(model) if spec.plan is not None else None
     if checkpointing != "none":  # after the plan's names are read: the wrappers rename the blocks' modules
         apply_ac(spec.blocks, checkpointing)
+    blocks = [b.module for b in spec.blocks]
     with FlopCount() as flops:
-        split = measure_tp_split(model, plan, lambda: batch_loss(model, sample, model_loss(cfg)),
-                                 [b.module for b in spec.blocks], norms,
+        split = measure_tp_split(model, plan, lambda: batch_loss(model, sample, model_loss(cfg)), blocks, norms,
                                  model.get_submodule(head) if head is not None else None)
     samples = batch_size(sample)
-    return VariantCost(precision, checkpointing, flops.total / samples, split.per_sample(samples, bool(norms)),
+    # A block's backward temporaries at twice the batch tell the part that grows with it from the rest.
+    doubled = _doubled(sample)
+    with fused_attention_on_meta():  # as FlopCount runs it
+        at_double = backward_temporaries(model, blocks, lambda: batch_loss(model, doubled, model_loss(cfg)))
+    per_sample = max(at_double - split.block_backward_bytes, 0) / samples
+    activations = dataclasses.replace(split.per_sample(samples, bool(norms)), block_backward=per_sample,
+                                      block_backward_fixed=max(split.block_backward_bytes - per_sample * samples, 0))
+    return VariantCost(precision, checkpointing, flops.total / samples, activations,
                        flops.linear / samples if precision == "fp8" else 0.0)
+
+
+def _doubled(batch: Batch) -> Batch:
+    """`batch` twice over, along its first dimension."""
+    if isinstance(batch, dict):
+        return {k: torch.cat([v, v]) for k, v in batch.items()}
+    return type(batch)(torch.cat([t, t]) for t in batch)
 
 
 def _sequence_norms(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:

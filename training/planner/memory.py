@@ -225,9 +225,26 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
     full or selective checkpointing one layer's, the one recomputing: the all-gather is redone in
     backward, measured) and one causal mask of (s/cp)·s per micro-batch (training/parallel/cp.py). A pipeline stage holds its share of the blocks'
     activations for the microbatches its schedule keeps in flight (GPipe: all m; 1F1B: min(m, p)
-    on the first stage, one on the last), and the last stage also what is saved outside the blocks
-    (the head, the loss) and the loss's temporaries, per microbatch in flight; the higher of the
-    first and the last stage."""
+    on the first stage, one on the last: planner/pipeline.in_flight), and the last stage also what
+    is saved outside the blocks (the head, the loss) and the loss's temporaries, for the
+    microbatches in flight there (GPipe m, zero bubble min(m, p), the others one); the higher of
+    the first and the last stage."""
+    held = stage_activations(w, d)
+    return max(held.first, held.last)
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    first: float
+    """The first pipeline rank's activations at its peak (any rank's without a pipeline)."""
+    last: float
+    """The activations of the rank holding the last stage, the loss's temporaries included."""
+    share: float
+    """Of a sample's activations, the part one rank keeps under TP and CP."""
+
+
+def stage_activations(w: Workload, d: ParallelDims) -> StageActivations:
+    """activation_memory's count for the first pipeline rank and for the rank holding the last stage."""
     a = w.activations
     per_sample = a.saved
     split = w.head_split(d)
@@ -243,25 +260,44 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
         per_sample /= d.cp
         kv = 2 * w.shape.seq_len * w.shape.kv / d.tp * dtype * (d.cp - 1) / d.cp  # per layer and sample
         mask = w.shape.seq_len / d.cp * w.shape.seq_len * dtype
+    share = per_sample / a.saved if a.saved else 1.0
     layers = math.ceil(w.shape.layers / d.pp)
     kept_kv, recomputing_kv = (kv * layers, 0.0) if w.checkpointing == "none" else (0.0, kv)
     if d.pp == 1:
-        return (per_sample + kept_kv + recomputing_kv) * w.micro_batch + mask
+        whole = (per_sample + kept_kv + recomputing_kv) * w.micro_batch + mask
+        return StageActivations(whole, whole, share)
     tail = a.outside_blocks - a.head * (1 - 1 / split)
     ends = min((tail + w.loss_temps(d)) / d.cp, per_sample)  # a CP rank's head and loss see its part of each sequence
     blocks = (per_sample - ends) * layers / max(w.shape.layers, 1) + kept_kv
     per_micro = w.micro_batch / w.microbatches
-    first, last = in_flight(w.pp_schedule, d.pp, w.microbatches, w.pp_virtual_stages)
-    return per_micro * (max(blocks * first, (blocks + ends) * last) + recomputing_kv) + mask
+    held = in_flight(w.pp_schedule, d.pp, w.microbatches, w.pp_virtual_stages)
+    # The rank holding the last stage (the last, or the first under a V: the higher covers both,
+    # their blocks' counts being equal) holds its blocks' microbatches and the last stage's part's.
+    return StageActivations(per_micro * (blocks * held.first + recomputing_kv) + mask,
+                            per_micro * (blocks * held.last + ends * held.ends + recomputing_kv) + mask, share)
 
 
 def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:
     """One rank's memory at the peak of a step, term by term, as the trainer allocates it."""
+    samples = w.micro_batch / (w.microbatches if d.pp > 1 else 1)  # in a microbatch
+    held = stage_activations(w, d)
     # The loss's temporaries: on the stage that computes the loss, per microbatch in flight there, of
-    # this rank's part of each sequence under cp (as activation_memory counts them).
-    temps = w.loss_temps(d) * w.micro_batch / (w.microbatches if d.pp > 1 else 1) / d.cp
-    return dataclasses.replace(layout_memory(w.shape, strategy, d, w.precision),
-                               activation_bytes=activation_memory(w, d), loss_temp_bytes=temps)
+    # this rank's part of each sequence under cp (as activation_memory counts them). Once they are
+    # gone the rank holding the last stage may hold less than the first: the peak then is the first's.
+    temps = w.loss_temps(d) * samples / d.cp
+    if d.pp > 1:
+        temps = max(0.0, min(temps, held.last - held.first))
+    layout = layout_memory(w.shape, strategy, d, w.precision)
+    # A pipeline schedule that runs a microbatch's backward before the last forward (all but GPipe)
+    # reaches its peak with the stage's gradients made by the first backward still held: 1F1B's
+    # first rank forwards its pp-th microbatch after its first backward, the last rank each after one.
+    early = layout.grad_bytes if d.pp > 1 and w.pp_schedule != "gpipe" and w.microbatches > 1 else None
+    # While a block runs backward it also holds its activations' gradients (split as its saved
+    # activations are), one microbatch's.
+    backward = w.activations.block_backward_bytes(samples * held.share)
+    return dataclasses.replace(layout, activation_bytes=max(held.first, held.last), loss_temp_bytes=temps,
+                               working_bytes=layout.working_bytes + backward,
+                               grads_in_backward=layout.grads_in_backward if early is None else early)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -7,6 +7,8 @@ half of backward. Held against torch's own schedule tables in training/parallel/
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from training.parallel.schedules import SINGLE, V_SHAPED
 
 ZERO_BUBBLE = ("zero_bubble", "zbv", "dualpipev")
@@ -34,21 +36,45 @@ def pipeline_bubble(pp: int, microbatches: int, schedule: str = "1f1b", virtual:
     return idle / (virtual * microbatches + idle)
 
 
-def in_flight(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> tuple[float, float]:
-    """Microbatches whose activations the first and the last pipeline rank hold at their peak, in
-    units of one microbatch through one stage of a one-stage-per-rank pipeline (as measured by
-    training/parallel/inflight.py at pp=2, m=4): GPipe m and m; 1F1B min(m, p) and 1; interleaved
-    1F1B Megatron's min(m, p)·(1 + (p − 1)/(p·v)) and, as measured, 1 + (p − 1)/p; DualPipeV p + 1
-    (DeepSeek-V3) on both; torch 2.13's zero-bubble and ZB-V p + 1 on the first rank and, as
-    measured, every microbatch on the last (their weight passes keep saved tensors to the end of
-    the step)."""
+class InFlightCounts(NamedTuple):
+    """Microbatches in flight at a schedule's peak, in units of one microbatch through one stage
+    of a one-stage-per-rank pipeline."""
+
+    first: float
+    """On the first rank."""
+    last: float
+    """On the last rank."""
+    ends: float
+    """Of the last stage's own part (the head, the loss: what is saved outside the blocks), on the
+    rank that holds it: the last rank, or the first under a V."""
+
+
+def in_flight(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> InFlightCounts:
+    """The schedule's microbatches in flight, as counted on real runs by
+    training/parallel/inflight.py (pp=2, m=4 and pp=4, m=8; k = min(m, p)):
+
+    - GPipe: m on every rank, the last stage's part too.
+    - 1F1B: p − r on rank r (k and 1); the last stage backwards each microbatch it forwards.
+    - interleaved 1F1B with v stages a rank: (2(p − r − 1) + (v − 1)p + 1)/v, Megatron's warm-up
+      plus one, a chunk being 1/v of a stage: k·(1 + (p − 1)/(p·v)) on the first rank (Narayanan
+      et al.) and k − (k − 1)/v on the last; its last stage holds one.
+    - torch 2.13's zero-bubble: k on every rank (the ZB papers' "as 1F1B's first rank", balanced),
+      the last stage's part of k (their weight passes wait).
+    - ZB-V: k on every rank; DualPipeV p + 1/2 (2p + 1 chunks of half a stage); the V's last stage,
+      on the first rank, holds one.
+
+    Earlier counts here (zero bubble's last rank holding every microbatch, DualPipeV p + 1) were the
+    counting probe's own doing: its saved-tensor hook kept graphs alive (training/memory.py packed)."""
     m = microbatches
+    k = min(m, pp)
     if schedule == "gpipe":
-        return m, m
+        return InFlightCounts(m, m, m)
     if schedule == "interleaved_1f1b":
-        return min(m, pp) * (1 + (pp - 1) / (pp * virtual)), 1 + (pp - 1) / pp
+        return InFlightCounts(k * (1 + (pp - 1) / (pp * virtual)), k - (k - 1) / virtual, 1)
     if schedule == "dualpipev":
-        return min(m, pp + 1), min(m, pp + 1)
-    if schedule in ZERO_BUBBLE:
-        return min(m, pp + 1), m
-    return min(m, pp), 1
+        return InFlightCounts(pp + 0.5, pp + 0.5, 1)
+    if schedule == "zero_bubble":
+        return InFlightCounts(k, k, k)
+    if schedule == "zbv":
+        return InFlightCounts(k, k, 1)
+    return InFlightCounts(k, 1, 1)

@@ -101,11 +101,25 @@ class Activations:
     head: float = 0.0
     """Of `outside_blocks`, what is saved after the head (its logits, the loss's softmax): split with
     the loss's temporaries over the TP ranks where the head is split (Shape.head_params)."""
+    block_backward: float = 0.0
+    """Not saved, made by backward: per sample, what one block's backward holds while it runs (its
+    activations' gradients; training/activations.py BackwardTemporaries), beside the rest of the
+    step's activations. One block's, however many blocks."""
+    block_backward_fixed: float = 0.0
+    """Not per sample: what one block's backward holds whatever the batch (a weight-sized scratch,
+    e.g. an expert's gradient made whole before it is added)."""
 
     def extended(self, two: Activations, layers: int) -> Activations:
-        """These (at one layer) and `two` (the same model at two) at `layers` alike layers."""
-        return Activations(*(extended(one, at_two, layers)
-                             for one, at_two in zip(dataclasses.astuple(self), dataclasses.astuple(two), strict=True)))
+        """These (at one layer) and `two` (the same model at two) at `layers` alike layers; one
+        block's backward the larger of the two."""
+        grown = Activations(*(extended(one, at_two, layers)
+                              for one, at_two in zip(dataclasses.astuple(self), dataclasses.astuple(two), strict=True)))
+        return dataclasses.replace(grown, block_backward=max(self.block_backward, two.block_backward),
+                                   block_backward_fixed=max(self.block_backward_fixed, two.block_backward_fixed))
+
+    def block_backward_bytes(self, samples: float) -> float:
+        """What one block's backward holds beside the step's activations, for `samples` samples."""
+        return self.block_backward * samples + self.block_backward_fixed
 
 
 def extended(one: float, two: float, layers: int) -> float:
