@@ -157,17 +157,18 @@ def test_the_memory_ruler_predicts_every_pipeline_schedule(tmp_path):
     """pp=2 at world 2 under each schedule, the first and the last rank each held to their own
     count (planner/memory.stage_activations): all but GPipe forward a microbatch after a backward
     made the stage's gradients, so they are in the peak; each rank holds planner/pipeline.in_flight's
-    microbatches; a block's backward holds its activations' gradients beside them.
+    microbatches, and the receive buffers torch's stages keep for every microbatch; a block's
+    backward holds its activations' gradients beside them.
 
-    Measured: gpipe (m=4) 1.06, 1f1b (m=2, 4) 1.03 and 0.95, interleaved_1f1b 0.88, zero_bubble
-    0.87, zbv 0.78, dualpipev 0.86 (m=4, two stages a rank). 1F1B was 0.73 and 0.68 before five
-    fixes: the gradients counted; a block's backward counted; the first rank's extra microbatch gone
-    (torch's schedule infers shapes with a forward it never backwards, and the step probe's
-    saved-tensor hook kept that graph alive for the run: training/memory.py packed); the last rank's
-    logits of every microbatch gone (kept by the schedule unless step(return_outputs=False)); the
-    counts re-measured without the probe's cycle. Not counted, so below 1: the zero-bubble schedules
-    (zero_bubble, zbv, dualpipev) keep each input-gradient pass's output gradients until its weight
-    pass runs (~1.5 MB of zbv's 6.6 here); interleaved 1F1B's ~0.5 MB is not explained yet."""
+    Measured: gpipe (m=4) 1.07, 1f1b (m=2, 4) 1.05 and 0.98, interleaved_1f1b 0.95, zero_bubble
+    0.92, zbv 0.81, dualpipev 0.90 (m=4, two stages a rank). 1F1B was 0.73 and 0.68 before six
+    fixes: the gradients counted; a block's backward counted; the receive buffers counted; the
+    first rank's extra microbatch gone (torch's schedule infers shapes with a forward it never
+    backwards, and the step probe's saved-tensor hook kept that graph alive for the run:
+    training/memory.py packed); the last rank's logits of every microbatch gone (kept by the
+    schedule unless step(return_outputs=False)); the counts re-measured without the probe's cycle.
+    Not counted, so below 1: the zero-bubble schedules (zero_bubble, zbv, dualpipev) keep each
+    input-gradient pass's output gradients until its weight pass runs (~1.2 MB of zbv's 6.6 here)."""
     layouts = {"gpipe": (4, 1), "1f1b-m2": (2, 1), "1f1b": (4, 1), "interleaved_1f1b": (4, 2), "zero_bubble": (4, 2),
                "zbv": (4, 2), "dualpipev": (4, 2)}
     ratios = {}
@@ -176,8 +177,7 @@ def test_the_memory_ruler_predicts_every_pipeline_schedule(tmp_path):
         predicted, measured = predicted_and_measured(strategy, 2, tmp_path / name)
         ratios[name] = predicted / measured
     split_backward = ("zero_bubble", "zbv", "dualpipev")
-    assert all(0.9 <= r <= 1.1 for name, r in ratios.items() if name not in split_backward + ("interleaved_1f1b",)), ratios
-    assert 0.85 <= ratios["interleaved_1f1b"] <= 1.1, ratios
+    assert all(0.9 <= r <= 1.1 for name, r in ratios.items() if name not in split_backward), ratios
     assert all(0.75 <= ratios[name] <= 1.0 for name in split_backward), ratios
 
 

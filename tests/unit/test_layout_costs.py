@@ -134,6 +134,20 @@ def test_microbatches_in_flight_as_measured(schedule, pp, m, virtual, counts):
     assert in_flight(schedule, pp, m, virtual) == counts
 
 
+@pytest.mark.parametrize(("schedule", "virtual", "buffers"), [
+    ("gpipe", 1, 4), ("1f1b", 1, 4), ("interleaved_1f1b", 2, 12), ("zero_bubble", 3, 20), ("zbv", 2, 8),
+    ("dualpipev", 2, 8),
+])
+def test_receive_buffers_by_hand(schedule, virtual, buffers):
+    """4 microbatches. One stage a rank: the first rank's stage receives gradients only, the last's
+    activations only: 4. Looped over v stages a rank: the first rank's stage 0 receives gradients
+    only, its v − 1 others both: 4 + 8(v − 1); the last rank alike. A V's first rank holds stage 0
+    (gradients only) and the last stage (activations only): 8."""
+    from training.planner.pipeline import receive_buffers
+
+    assert receive_buffers(schedule, 4, virtual) == (buffers, buffers)
+
+
 def test_the_zero_bubble_family_is_not_laid_out_with_replicas_or_selective_checkpointing():
     w = workload(pp_schedule="zbv", pp_virtual_stages=2, microbatches=2)
     shape = dataclasses.replace(SHAPE, layers=8)

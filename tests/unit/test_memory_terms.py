@@ -118,18 +118,23 @@ def test_gpipe_keeps_every_microbatch_and_1f1b_at_most_the_stages():
     outside the blocks (head, loss) and so on the last stage only: 800 x 2/4 = 400 per sample of
     blocks on each stage. 8 samples in 4 microbatches of 2: GPipe keeps all 4 on every stage (the
     last: (400 + 200) x 8); 1F1B min(4, 2) = 2 on the first stage (400 x 4) and one on the last
-    ((400 + 200) x 2)."""
+    ((400 + 200) x 2). Each rank also keeps a receive buffer per microbatch for each boundary it
+    receives over (planner/pipeline.receive_buffers), a microbatch's hidden states: 2 samples x 16
+    positions x 64 wide in bf16, 4096 bytes; 4 of them at one stage a rank, 12 at two."""
+    buffer = 2 * S * H * 2
     d = ParallelDims(pp=2)
     w = dataclasses.replace(workload("gpipe", 4), activations=Activations(1000.0, outside_blocks=200.0))
-    assert activation_memory(w, d) == 600.0 * 8
+    assert activation_memory(w, d) == 600.0 * 8 + 4 * buffer
     w = dataclasses.replace(w, pp_schedule="1f1b")
-    assert activation_memory(w, d) == max(400.0 * 4, 600.0 * 2)
-    assert activation_memory(dataclasses.replace(w, microbatches=1), d) == 600.0 * 8
+    assert activation_memory(w, d) == max(400.0 * 4, 600.0 * 2) + 4 * buffer
+    one = dataclasses.replace(w, microbatches=1)
+    assert activation_memory(one, d) == 600.0 * 8 + 4 * buffer, "one buffer of 8 samples"
     # Interleaved over 2 stages a rank: 2.5 on the first rank, 1.5 on the last with one microbatch of
     # the last stage's 200 (2 samples a microbatch); zero bubble: 2 on each, the last stage's part 2.
     looped = dataclasses.replace(w, pp_schedule="interleaved_1f1b", pp_virtual_stages=2)
-    assert activation_memory(looped, d) == 2 * max(400 * 2.5, 400 * 1.5 + 200) == 2000
-    assert activation_memory(dataclasses.replace(looped, pp_schedule="zero_bubble"), d) == 2 * (400 * 2 + 200 * 2)
+    assert activation_memory(looped, d) == 2 * max(400 * 2.5, 400 * 1.5 + 200) + 12 * buffer == 2000 + 12 * buffer
+    zero_bubble = dataclasses.replace(looped, pp_schedule="zero_bubble")
+    assert activation_memory(zero_bubble, d) == 2 * (400 * 2 + 200 * 2) + 12 * buffer
 
 
 def test_a_schedule_that_backwards_before_its_last_forward_holds_the_gradients_at_its_peak():
@@ -164,8 +169,9 @@ def test_a_blocks_backward_holds_its_gradients_beside_the_activations_and_the_lo
     piped = dataclasses.replace(w, microbatches=4, activations=Activations(
         1000.0, outside_blocks=200.0, loss_temp=100.0, block_backward=150.0))
     p = memory_breakdown(piped, "ddp", ParallelDims(pp=2))
-    first, last = 2 * 350 * 2, 2 * (350 + 300)  # 1F1B: 2 microbatches in flight on the first, 1 on the last
-    assert p.activation_bytes == max(first, last) == 1400
+    buffers = 4 * 2 * S * H * 2  # a receive buffer per microbatch on each (receive_buffers)
+    first, last = 2 * 350 * 2 + buffers, 2 * (350 + 300) + buffers  # 1F1B: 2 in flight on the first, 1 on the last
+    assert p.activation_bytes == max(first, last) == 1400 + buffers
     assert p.loss_temp_bytes == 0 and p.working_bytes == 150 * 2, "the first rank's peak: no loss there"
 
 

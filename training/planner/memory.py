@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from training import strategies
 from training.parallel.dims import ParallelDims
 from training.parallel.schedules import stage_blocks
-from training.planner.pipeline import in_flight
+from training.planner.pipeline import in_flight, receive_buffers
 from training.planner.shape import BF16_PARAMS, COMPUTE_BYTES, Shape
 from training.planner.workload import Workload
 
@@ -271,10 +271,17 @@ def stage_activations(w: Workload, d: ParallelDims) -> StageActivations:
     blocks = (per_sample - ends) * layers / max(w.shape.layers, 1) + kept_kv
     per_micro = w.micro_batch / w.microbatches
     held = in_flight(w.pp_schedule, d.pp, w.microbatches, w.pp_virtual_stages)
+    # A stage's boundary, received into a buffer per microbatch: a microbatch's hidden states (the
+    # residual stream: the compute dtype with bf16 parameters, fp32 under fp16's autocast), split
+    # by CP and, under sequence parallelism, by TP.
+    boundary = (per_micro * w.shape.seq_len * w.shape.hidden * (dtype if w.precision in BF16_PARAMS else 4)
+                / d.cp / (d.tp if w.sequence_parallel else 1))
+    first_buffers, last_buffers = receive_buffers(w.pp_schedule, w.microbatches, w.pp_virtual_stages)
     # The rank holding the last stage (the last, or the first under a V: the higher covers both,
     # their blocks' counts being equal) holds its blocks' microbatches and the last stage's part's.
-    return StageActivations(per_micro * (blocks * held.first + recomputing_kv) + mask,
-                            per_micro * (blocks * held.last + ends * held.ends + recomputing_kv) + mask, share)
+    return StageActivations(per_micro * (blocks * held.first + recomputing_kv) + mask + boundary * first_buffers,
+                            per_micro * (blocks * held.last + ends * held.ends + recomputing_kv) + mask
+                            + boundary * last_buffers, share)
 
 
 def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:

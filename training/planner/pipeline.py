@@ -78,3 +78,16 @@ def in_flight(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> In
     if schedule == "zbv":
         return InFlightCounts(k, k, 1)
     return InFlightCounts(k, 1, 1)
+
+
+def receive_buffers(schedule: str, microbatches: int, virtual: int = 1) -> tuple[float, float]:
+    """Microbatch-sized receive buffers torch's PipelineStage allocates once for the step's every
+    microbatch (a stage's input from the stage before, unless it is the first; its output's
+    gradient from the stage after, unless it is the last), on the first rank and on the rank
+    holding the last stage. Stages next to each other on one rank (the bottom of a V) pass tensors
+    without them. One stage a rank: m on the first, m on the last; v looped stages: (2v − 1)·m on
+    each; a V: 2m on its first rank, which holds both ends (4m on the others, not counted here)."""
+    m = microbatches
+    if schedule in V_SHAPED:
+        return 2 * m, 2 * m
+    return (2 * virtual - 1) * m, (2 * virtual - 1) * m
