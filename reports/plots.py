@@ -189,3 +189,41 @@ def memory(trains: list[TrainResult], path: Path) -> str | None:
     ax.set(ylabel="peak memory per device (GiB)", title="Peak memory per device")
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+# --- a mixture of experts' routing --------------------------------------------------------------
+
+def expert_load(train: TrainResult, path: Path) -> str | None:
+    """Where a mixture of experts sent its tokens: each MoE layer's routed slots per expert over the
+    run, as a share of that layer's mean (1.0: balanced; the busiest expert bounds an
+    expert-parallel step), and per step the layers' mean busiest-over-mean. None for a dense model."""
+    if not train.expert_load:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = list(train.expert_load)
+    share = [[n * len(load) / max(sum(load), 1) for n in load] for load in train.expert_load.values()]
+    experts = max(len(s) for s in share)
+    fig, (heat, line) = plt.subplots(1, 2, figsize=(11, max(3.5, 0.3 * len(layers) + 1.5)),
+                                     gridspec_kw={"width_ratios": [3, 2]})
+    image = heat.imshow(share, aspect="auto", cmap="viridis", vmin=0)
+    fig.colorbar(image, ax=heat, label="slots / layer mean")
+    if experts <= 16:  # small enough to read each cell
+        heat.set_xticks(range(experts))
+        for i, row in enumerate(share):
+            for e, x in enumerate(row):
+                heat.text(e, i, f"{x:.2f}", ha="center", va="center", fontsize=7, color="white" if x < 1 else "black")
+    heat.set_yticks(range(len(layers)), [f"{name} (max {max(s):.2f})" for name, s in zip(layers, share, strict=True)],
+                    fontsize=7)
+    heat.set(xlabel="expert", title=f"Routed slots per expert over {train.steps} steps")
+    steps = range(train.expert_first_step, train.expert_first_step + len(train.expert_imbalance))
+    line.plot(list(steps), train.expert_imbalance, marker="o", ms=3, label="busiest expert / mean")
+    for i, (ep, x) in enumerate(sorted(train.expert_rank_imbalance.items(), key=lambda kv: int(kv[0]))):
+        line.axhline(x, color=f"C{i + 1}", ls="--", lw=0.8, label=f"busiest of ep={ep} ranks / mean (run mean)")
+    line.axhline(1.0, color="grey", lw=0.8)
+    line.set(xlabel="step", ylabel="max / mean", title="Imbalance per step, layers' mean")
+    line.legend(fontsize=7)
+    return _save(fig, path)

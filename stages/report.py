@@ -73,16 +73,38 @@ def markdown(env: EnvResult, bandwidth: BandwidthResult, lr: LrFindResult, plan:
         lines.append("")
     if train.time_split:
         lines += ["## Where a step's time goes (torch.profiler, rank 0)", "", split_table(train.time_split)]
+    if train.expert_load:
+        lines += ["## Experts", "", *experts(train), ""]
     lines += ["## Learning rate", "", lr.headline(), ""]
     lines += [f"![{p}]({p})" for p in pngs]
     return "\n".join(lines) + "\n"
+
+
+def experts(train: TrainResult) -> list[str]:
+    """A mixture of experts' routing over the run: per MoE layer the slots routed, the busiest and
+    the idlest expert against the mean, and what an expert-parallel step would wait for."""
+    lines = [f"Slots routed per expert over {train.steps} steps, all ranks' tokens (chart: expert_load.png).", "",
+             "| layer | experts | slots | busiest / mean | idlest / mean |", "|---|---:|---:|---:|---:|"]
+    for layer, load in train.expert_load.items():
+        mean = sum(load) / len(load)
+        lines.append(f"| {layer} | {len(load)} | {sum(load)} | {max(load) / mean:.3f} | {min(load) / mean:.3f} |"
+                     if mean else f"| {layer} | {len(load)} | 0 | - | - |")
+    if train.expert_imbalance:
+        lines += ["", f"Per step, the layers' mean busiest-over-mean: {min(train.expert_imbalance):.3f} to "
+                      f"{max(train.expert_imbalance):.3f}, mean {sum(train.expert_imbalance) / len(train.expert_imbalance):.3f}."]
+    if train.expert_rank_imbalance:
+        by_ep = ", ".join(f"ep={ep}: {x:.3f}" for ep, x in sorted(train.expert_rank_imbalance.items(), key=lambda kv: int(kv[0])))
+        lines += ["", f"The busiest rank over the mean, had the experts been split over ep ranks (a later plan "
+                      f"stretches the experts' compute by it): {by_ep}."]
+    return lines
 
 
 def run(cfg: ReportInputs, *, env: EnvResult, bandwidth: BandwidthResult, lr_find: LrFindResult,
         plan: PlanResult, train: TrainResult, artifacts: Path) -> ReportResult:
     drawn = [plots.lr_find(lr_find, [train], artifacts / "lr_find.png"),
              plots.busbw([bandwidth], artifacts / "busbw.png"),
-             plots.loss([train], artifacts / "loss.png")]
+             plots.loss([train], artifacts / "loss.png"),
+             plots.expert_load(train, artifacts / "expert_load.png")]
     pngs = [name for name in drawn if name]
     (artifacts / "report.md").write_text(markdown(env, bandwidth, lr_find, plan, train, pngs))
     tables = []

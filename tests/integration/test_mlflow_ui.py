@@ -49,6 +49,23 @@ def store(study, tmp_path_factory):
     return f"sqlite:///{db}"
 
 
+MOE = "experts-day"
+"""A mixture of experts' invocation in the same store (`model=gpt-moe-tiny`), for its routing charts."""
+
+
+@pytest.fixture(scope="module")
+def moe(study, store):
+    """One invocation of the built-in mixture of experts in the store: its train stage logs the
+    routing, its report draws it."""
+    result = subprocess.run([sys.executable, str(ROOT / "run.py"), "experiment=smoke", "model=gpt-moe-tiny",
+                             "strategy=ddp", "nodes=1", f"study={MOE}", f"tracking.uri={store}",
+                             f"hydra.run.dir={MOE}"],
+                            cwd=study["dir"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    [run] = invocation_runs(store, MOE).values()
+    return run
+
+
 @pytest.fixture(scope="module")
 def server(study, store):
     """`mlflow server --workers 1` over `store`; stopped by its own PID."""
@@ -211,6 +228,49 @@ def test_the_study_table_opens_in_the_artifact_viewer(study, server, tmp_path):
     for column in ("strategy", "nodes", "devices", "samples/s", "efficiency"):
         assert column in lines, column
     assert lines.count("ddp") >= 2 and lines.count("zero3") >= 2, "a row per point"
+
+
+def stage_run(uri: str, invocation, stage: str):  # noqa: ANN001, ANN201
+    """An invocation's stage run (its child run tagged with the stage's name)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    [run] = client.search_runs([invocation.info.experiment_id],
+                               f"tags.mlflow.parentRunId = '{invocation.info.run_id}' AND tags.stage = '{stage}'")
+    return run
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_run_charts_its_routing(moe, store, server, tmp_path):
+    """The train stage's run charts the routing (per step the imbalance; per MoE layer each expert's
+    slots, the expert on the step axis), and the report's expert_load.png opens as an image."""
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.mlflow_ui import artifact_url
+
+    client = MlflowClient(tracking_uri=store)
+    train = stage_run(store, moe, "train")
+    summary = json.loads(Path(client.download_artifacts(moe.info.run_id, "summary.json", str(tmp_path))).read_text())
+    result = summary["stages"]["train"]["result"]
+    loads = result["expert_load"]
+    assert len(loads) == 2 and all(len(load) == 4 for load in loads.values()), "gpt-moe-tiny: 2 layers of 4 experts"
+    for layer, load in loads.items():
+        history = client.get_metric_history(train.info.run_id, f"moe/load/{layer}")
+        assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == list(enumerate(map(float, load)))
+    imbalance = client.get_metric_history(train.info.run_id, "moe/imbalance")
+    assert sorted(m.value for m in imbalance) == sorted(result["expert_imbalance"]) and len(imbalance) > 1
+    # The run's chart page: a section for the imbalance metrics and one for the per-layer loads.
+    page = dom(f"{server}/#/experiments/{moe.info.experiment_id}/runs/{train.info.run_id}/model-metrics",
+               tmp_path / "metrics", settled="moe/load")
+    lines = text_lines(page)
+    charts = {lines[i]: lines[i + 1] for i in range(len(lines) - 1) if lines[i] in ("moe", "moe/load")}
+    assert charts == {"moe": f"({2 + len(result['expert_rank_imbalance'])})", "moe/load": "(2)"}, charts
+    # The report's chart of the same loads, shown by the artifact viewer (fetched, then drawn from a blob).
+    report = stage_run(store, moe, "report")
+    assert "expert_load.png" in {a.path for a in client.list_artifacts(report.info.run_id)}
+    page = dom(artifact_url(server, moe.info.experiment_id, report.info.run_id, "expert_load.png"),
+               tmp_path / "artifact", settled='alt="expert_load.png"')
+    assert re.search(r'<img alt="expert_load.png" src="blob:', page), "the PNG is drawn, not loading"
 
 
 def test_a_study_reported_again_keeps_one_record_with_the_new_table(tmp_path):
