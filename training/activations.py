@@ -53,6 +53,10 @@ class TpSplit:
     """The part saved after the model's head (its logits, the loss's softmax), counted in
     `replicated_bytes` and `outside_blocks_bytes`: split over the TP ranks where the trainer splits
     the head by vocabulary (training/parallel/tp.py), as are the loss's temporaries."""
+    experts_bytes: int = 0
+    """The part saved inside the experts modules (routed tokens, the experts' hidden activations),
+    counted in `replicated_bytes` (they are in no TP plan): split over the TP ranks where expert
+    parallelism splits a TP group's tokens (training/parallel/ep.py)."""
     block_backward_bytes: int = 0
     """The most a block's backward allocated beside what it was given and the weight gradients,
     for the whole batch (BackwardTemporaries); not in `per_sample`: part of it is per sample (its
@@ -68,7 +72,8 @@ class TpSplit:
         sequence = self.sequence_replicated_bytes if sequence_norms else self.replicated_bytes
         return Activations(saved=self.saved_bytes / samples + temps, tp_replicated=self.replicated_bytes / samples + temps,
                            outside_blocks=self.outside_blocks_bytes / samples, loss_temp=temps,
-                           sp_replicated=sequence / samples + temps, head=self.head_bytes / samples)
+                           sp_replicated=sequence / samples + temps, head=self.head_bytes / samples,
+                           experts=self.experts_bytes / samples)
 
 OPENS = ("colwise",)
 """Styles whose output is split: a split region starts after them (not `colwise_rep`/`_gather`,
@@ -87,11 +92,12 @@ def _role(style: str) -> str | None:
 
 def measure_tp_split(model: nn.Module, plan: dict[str, str], run: Callable[[], torch.Tensor],
                      blocks: list[nn.Module] | tuple = (), sequence_norms: list[nn.Module] | tuple = (),
-                     head: nn.Module | None = None) -> TpSplit:
+                     head: nn.Module | None = None, experts: list[nn.Module] | tuple = ()) -> TpSplit:
     """Run `run` (a forward returning the loss) and its backward, counting saved bytes by where
     they were saved; `plan` is the model's TP plan as full module names -> styles, `blocks` the
     model's blocks (what is saved outside them is told apart too), `sequence_norms` its
-    sequence-parallel norms, `head` its output projection (what is saved after it too)."""
+    sequence-parallel norms, `head` its output projection (what is saved after it too), `experts`
+    its experts modules (what they save too)."""
     inside, opening, closing = [False], [False], [False]
     depth, norm_depth = [0], [0]
     split_keys: set[int] = set()
@@ -102,7 +108,9 @@ def measure_tp_split(model: nn.Module, plan: dict[str, str], run: Callable[[], t
     handles = [model.register_forward_hook(lambda m, a, o: outputs.append(_numel(o)))]
     if head is not None:
         handles.append(head.register_forward_hook(lambda m, a, o: saved.after_head.__setitem__(0, True)))
-    handles += _counting(blocks, depth) + _counting(sequence_norms, norm_depth)
+    expert_depth = [0]
+    handles += _counting(blocks, depth) + _counting(sequence_norms, norm_depth) + _counting(experts, expert_depth)
+    saved.expert_depth = expert_depth
     modules = _by_name(model)
     for name, style in plan.items():
         role = _role(style)
@@ -127,7 +135,8 @@ def measure_tp_split(model: nn.Module, plan: dict[str, str], run: Callable[[], t
     outside = sum(n for k, n in saved.sizes.items() if k not in block_keys) if blocks else 0
     unsplit = sum(n for k, n in saved.sizes.items() if k not in block_keys | sequence_keys) if blocks else total
     after_head = sum(n for k, n in saved.sizes.items() if k in saved.head_keys)
-    return TpSplit(total, whole, outside, 2 * 4 * sum(outputs), unsplit, after_head, temporaries.block_peak)
+    in_experts = sum(n for k, n in saved.sizes.items() if k in saved.expert_keys and k not in split_keys)
+    return TpSplit(total, whole, outside, 2 * 4 * sum(outputs), unsplit, after_head, in_experts, temporaries.block_peak)
 
 
 def _by_name(model: nn.Module) -> dict[str, nn.Module]:
@@ -268,6 +277,7 @@ class _Classifier(SavedActivations):
         (self.inside, self.opening, self.closing), self.split_keys = region, split_keys
         self.depth, self.block_keys, self.norm_depth, self.sequence_keys = depth, block_keys, norm_depth, sequence_keys
         self.after_head, self.head_keys = [False], set()
+        self.expert_depth, self.expert_keys = [0], set()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._classify(t, self.inside[0])
@@ -290,6 +300,8 @@ class _Classifier(SavedActivations):
             self.sequence_keys.update(new)
         if self.after_head[0]:
             self.head_keys.update(new)
+        if self.expert_depth[0] > 0:
+            self.expert_keys.update(new)
 
     @property
     def sizes(self) -> dict[int, int]:

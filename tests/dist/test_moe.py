@@ -192,3 +192,34 @@ def test_the_all_to_alls_move_what_the_cost_model_counts(strategy):
     combines = [max(a, b) / (a + b) * 2 for a, b in zip(sent[0][1::2], sent[1][1::2], strict=True)]
     assert sum(combines) / len(combines) == pytest.approx(result.expert_rank_imbalance["2"], rel=1e-9)
     assert result.expert_rank_imbalance["2"] > 1.0, "the seed routes unevenly"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_split_the_tokens_they_route():
+    """dp_shard=2 x tp=2 with ep=2 at world 4: the two TP ranks of a data-parallel rank see the same
+    tokens and route half of them each (training/parallel/ep.py), so every token all-to-all sends,
+    summed over the 4 ranks, 4 x what the cost model counts for a rank (all_to_all_bytes of
+    routed_tokens, its TP rank's part): half of what the ranks sent when each TP rank routed all of
+    its tokens."""
+    import tempfile
+
+    from tests.dist.test_strategies import train_inputs
+    from tests.helpers import run_world
+    from training.contract.calls import model_loss
+    from training.parallel.dims import resolve_dims
+    from training.planner.anatomy import build_on_meta, measure_anatomy
+    from training.planner.comm import all_to_all_bytes, routed_tokens
+
+    strategy = StrategyConfig(name="hybrid", dp_shard=2, tp=2, ep=2)
+    _, sent = run_world("tests.dist.workers:train_counting_all_to_alls", (train_inputs(strategy, MOE),
+                                                                         tempfile.mkdtemp()), world=4)
+    steps, layers, calls = 10, 2, 2
+    assert [len(s) for s in sent] == [steps * layers * calls] * 4
+    model, spec = build_on_meta(MOE, 0)
+    tokens = torch.zeros(1, 16, dtype=torch.long, device="meta")
+    shape = measure_anatomy(model, spec, model_loss(MOE), (tokens, tokens)).anatomy.shape
+    dims = resolve_dims(strategy, 4)
+    balanced = all_to_all_bytes(shape, routed_tokens(shape, 8 // dims.dp_size, dims), "fp32")
+    assert balanced == 4 * 16 // 2 * 2 * 32 * 4, "a TP rank's half of 4 sequences of 16 tokens, top 2, width 32"
+    for call in range(steps * layers * calls):
+        assert sum(s[call] for s in sent) == 4 * balanced

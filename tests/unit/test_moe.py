@@ -197,7 +197,7 @@ def test_experts_that_get_no_token_stay_in_the_graph(family):
         module, weights = MixtralExperts(config), ("gate_up_proj", "down_proj")
         for w in weights:
             torch.nn.init.normal_(getattr(module, w))
-    local = ExpertParallel(ExpertSite("experts", module, 2, weights), ExpertGroups(mesh=None, ep=1, data_parallel=1))
+    local = ExpertParallel(ExpertSite("experts", module, 2, weights), ExpertGroups(mesh=None, ep=1, data_parallel=1, replicas=None))
     x = torch.zeros(0, D, requires_grad=True)
     out = local._run_local(x, [0, 0])
     assert out.shape == (0, D) and out.grad_fn is not None

@@ -100,6 +100,14 @@ def test_all_to_all_bytes_and_calls_per_layer():
     # With cp=2 each rank routes half of each sequence: half the tokens in each all-to-all, as many calls.
     halves = comm_time(SHAPE, "zero3", ParallelDims(cp=2, ep=2), micro, 1, 1, "bf16", lambda c, g: wire)
     assert halves.expert_parallel_s == pytest.approx(4 * layers * one / 2 / 2 / 1e9 + 4 * layers * 1e-3 + counts_s)
+    # With tp=2 each TP rank routes half of the tokens (half of each all-to-all, as many calls), and
+    # the halves are all-gathered over the 2 TP ranks: forward the experts' output (micro x seq x
+    # hidden), backward the tokens' gradients and their routing weights' (x (hidden + top_k)), three
+    # calls a layer, 1/2 of each crossing the wire.
+    tp = comm_time(SHAPE, "zero3", ParallelDims(dp_shard=2, tp=2, ep=2), micro, 1, 1, "bf16", lambda c, g: wire)
+    gathers_s = layers * micro * 32 * 2 * (64 + 64 + 2) / 2 / 1e9 + 3 * layers * 1e-3
+    assert tp.expert_parallel_s == pytest.approx(4 * layers * one / 2 / 2 / 1e9 + 4 * layers * 1e-3 + counts_s
+                                                 + gathers_s)
     # Without expert parallelism there is no all-to-all.
     assert comm_time(SHAPE, "zero3", ParallelDims(dp_shard=2), micro, 1, 1, "bf16",
                      lambda c, g: wire).expert_parallel_s == 0
@@ -133,10 +141,13 @@ def test_the_groups_of_an_expert_layout_and_the_tier_they_ride():
     assert group_of(d, "edp", 8) == Group(8, 1)  # one per node: 8 ranks apart
     assert group_of(ParallelDims(dp_shard=4, ep=2), "edp", 8) == Group(2, 2)
     # With cp, ep is carved out of dp x cp (a sequence's CP ranks neighbours): with tp=2 inside, an
-    # expert group of 4 is 4 ranks 2 apart (one node of 8), its replicas ep x tp = 8 apart.
+    # expert group of 4 is 4 ranks 2 apart (one node of 8); its replicas are the 2 TP ranks (which
+    # split their tokens) of one rank in each of the 2 expert groups, ep x tp = 8 apart: 2 a node.
     cp = ParallelDims(dp_shard=4, cp=2, tp=2, ep=4)
     assert group_of(cp, "ep", 8) == Group(4, 4)
-    assert group_of(cp, "edp", 8) == Group(2, 1)
+    assert group_of(cp, "edp", 8) == Group(4, 2)
+    assert group_of(cp, "edp", 16) == Group(4, 4)
+    assert group_of(cp, "edp", None) == Group(4, 4)
     assert group_of(ParallelDims(cp=2, ep=2), "ep", 1) == Group(2, 1)  # the two halves of a sequence
 
 
@@ -149,16 +160,19 @@ def test_the_imbalance_stretches_the_experts_share_of_compute_only_under_ep():
     assert w.expert_straggler(ParallelDims(dp_shard=8, ep=8)) == 1.0  # not measured: balanced
 
 
-def test_tensor_parallel_ranks_run_the_experts_whole():
-    """The experts are in no tensor-parallel plan (training/models/gpt.py leaves them out): every TP
-    rank runs them on the same tokens, so of a sample's compute only the dense half here divides by
-    tp. An expert group with tp=4 inside it has its ranks 4 apart: ep=4 spans 2 nodes of 8."""
+def test_tensor_parallel_ranks_run_the_experts_whole_unless_expert_parallelism_splits_their_tokens():
+    """The experts are in no tensor-parallel plan (training/models/gpt.py leaves them out): without
+    expert parallelism every TP rank runs them on the same tokens, so of a sample's compute only the
+    dense half here divides by tp; with it the TP ranks split the tokens (training/parallel/ep.py),
+    and all of it does. An expert group with tp=4 inside it has its ranks 4 apart: ep=4 spans 2
+    nodes of 8."""
     w = Workload(shape=SHAPE, micro_batch=1, grad_accum=1, microbatches=1, precision="fp32", checkpointing="none",
                  tokens_per_sample=32, activations=Activations())
     assert SHAPE.expert_flops_share == 0.5
     assert w.tp_unsplit(ParallelDims(dp_shard=4)) == 1.0
     assert w.tp_unsplit(ParallelDims(dp_shard=2, tp=2)) == pytest.approx(1.5)  # (0.5 + 0.5 x 2) / 1
-    assert w.tp_unsplit(ParallelDims(dp_shard=2, tp=4, ep=2)) == pytest.approx(2.5)
+    assert w.tp_unsplit(ParallelDims(dp_shard=4, tp=4)) == pytest.approx(2.5)
+    assert w.tp_unsplit(ParallelDims(dp_shard=2, tp=4, ep=2)) == 1.0
     dense = dataclasses.replace(w, shape=dataclasses.replace(SHAPE, expert_flops_share=0.0))
     assert dense.tp_unsplit(ParallelDims(tp=8)) == 1.0
     assert group_of(ParallelDims(dp_shard=8, tp=4, ep=4), "ep", 8) == Group(4, 2)
@@ -222,3 +236,29 @@ def test_the_expert_dispatchs_measured_host_work_is_added_under_ep_only():
     staged = ParallelDims(dp_shard=2, pp=2, ep=2)
     assert overhead(measured, staged, microbatches=4) - overhead(bare, staged, microbatches=4) == pytest.approx(
         4e-3 * 4 / 2)
+
+
+def test_the_experts_activations_are_counted_apart_and_split_over_tp_under_ep():
+    """What the experts modules save is counted apart (training/activations.py): for one layer of 4
+    experts of 64 -> 256 -> 64, top 2, 64 tokens a sample in fp32, the 128 routed slots' inputs,
+    outputs and weighted outputs (index_add keeps its source; 128 x 64 x 4 bytes each), their
+    hidden activations before and after GELU (128 x 256 x 4 each), three slot indices (128 x 8)
+    and the slots' weights (128 x 4); a dense model's is 0. Under tp=2 the ruler keeps it whole
+    on each rank without ep, and divides it by tp with ep (its TP ranks split the tokens)."""
+    from training.planner.anatomy import _measure_variant
+    from training.planner.memory import activation_memory
+    from training.planner.shape import Activations
+    from training.planner.workload import Workload
+
+    moe = ModelConfig(kwargs=dict(vocab_size=256, seq_len=64, d_model=64, n_layers=1, n_heads=4, n_experts=4, top_k=2))
+    sample = tuple(t.to("meta") for t in first_samples(markov(4, 64, 256), 2))
+    a = _measure_variant(moe, 0, sample, "fp32", "none").activations
+    slots = 64 * 2
+    assert a.experts == 3 * slots * 64 * 4 + 2 * slots * 256 * 4 + 3 * slots * 8 + slots * 4
+    assert a.experts <= a.tp_replicated
+    dense = ModelConfig(kwargs=dict(vocab_size=256, seq_len=64, d_model=64, n_layers=1, n_heads=4))
+    assert _measure_variant(dense, 0, sample, "fp32", "none").activations.experts == 0
+    w = Workload(shape=SHAPE, micro_batch=1, grad_accum=1, microbatches=1, precision="fp32", checkpointing="none",
+                 tokens_per_sample=32, activations=Activations(1000.0, tp_replicated=400.0, experts=300.0))
+    assert activation_memory(w, ParallelDims(dp_shard=2, tp=2)) == pytest.approx(400.0 + 600.0 / 2)
+    assert activation_memory(w, ParallelDims(dp_shard=2, tp=2, ep=2)) == pytest.approx(100.0 + 900.0 / 2)

@@ -18,8 +18,14 @@ one process's gradient at the same global batch.
 Composes with DDP, FSDP (the experts sharded over their replicas) and pipeline stages (each stage's
 own expert groups). Applied to whatever experts modules the model's expert plan names
 (training/contract/spec.py): the built-in MoE GPT's, Hugging Face's MoE families'
-(`base_model_ep_plan`), a user model's (`model.ep_plan`). Tensor parallelism
-beside ep keeps the experts whole on every TP rank (expert_groups). zero1's sharded optimizer is
+(`base_model_ep_plan`), a user model's (`model.ep_plan`).
+
+With tensor parallelism the experts are in no TP plan (whole experts on every TP rank, as
+Megatron-Core's expert tensor-parallel size 1), and the ranks of a TP group, which see the same
+tokens, split them: TP rank t routes the t-th of tp parts of its tokens through its own expert
+group, and the parts are gathered back (Megatron-Core's alltoall dispatcher under TP). Each expert
+then computes a TP rank's tokens once instead of tp times, and its gradient sums over its replicas
+and the TP group (expert_groups). zero1's sharded optimizer is
 refused with ep up front (training/parallel/dims.py's
 `expert_parallel_problem`, pipelines/validate.py). Checkpoints need nothing of their own: the split
 experts are DTensors, which DCP saves under the whole model's names and reshards on load.
@@ -44,11 +50,14 @@ from training.parallel.dims import ParallelDims
 @dataclass(frozen=True)
 class ExpertGroups:
     mesh: DeviceMesh
-    """(pp, edp, ep, etp) over every rank: `ep` the ranks that split the experts between them, `edp`
-    the ranks holding the same experts (their replicas)."""
+    """(pp, edp, etp, ep) over every rank: `ep` the ranks that split the experts between them, `edp`
+    the expert groups' ranks holding the same experts, `etp` the TP ranks splitting the tokens."""
     ep: int
     data_parallel: int
     """Data- and context-parallel ranks whose tokens reach an expert's gradient: what it is divided by."""
+    replicas: DeviceMesh
+    """The ranks holding the same experts, each with tokens of its own: one in each expert group
+    (edp) of each TP rank (etp), flattened."""
 
     @property
     def ep_group(self) -> dist.ProcessGroup:
@@ -59,22 +68,28 @@ class ExpertGroups:
         return self.mesh["ep"].get_local_rank()
 
     @property
-    def replicas(self) -> DeviceMesh:
-        return self.mesh["edp"]
+    def tp(self) -> int:
+        """The TP ranks that split each experts module's tokens between them."""
+        return self.mesh["etp"].size()
 
 
 def expert_groups(dims: ParallelDims, ep: int, device_type: str) -> ExpertGroups:
     """The expert mesh. A rank is (pp_index x dp·cp + g) x tp + tp_index, g = dp_index x cp +
     cp_index its index among the ranks that hold the same weights, and g is
-    edp_index x ep + ep_index: the (pp, dp·cp / ep, ep, tp) mesh in rank order. The ranks
-    of a tensor-parallel group route the same tokens (the experts are not in its plan): each runs
-    its own copy of its expert group's all-to-alls with the same ranks of the other TP groups, and
-    their copies of the experts stay equal, with nothing to reduce between them."""
-    from torch.distributed.device_mesh import init_device_mesh
+    edp_index x ep + ep_index: the (pp, dp·cp / ep, ep, tp) mesh in rank order. TP rank t of
+    every rank of an expert group routes the t-th part of their tokens (ExpertParallel): the
+    group's all-to-alls run among the same TP rank of each, and an expert's replicas are its
+    edp ranks times the TP ranks, each with tokens of its own."""
+    from torch.distributed.device_mesh import DeviceMesh
 
     same = dims.dp_size * dims.cp
-    mesh = init_device_mesh(device_type, (dims.pp, same // ep, ep, dims.tp), mesh_dim_names=("pp", "edp", "ep", "etp"))
-    return ExpertGroups(mesh, ep, same)
+    # Its dimensions ordered (pp, edp, etp, ep), the ranks as above: FSDP shards the experts over
+    # their replicas (edp x etp, flattened) beside ep, and torch composes the two only when the
+    # replicas' dimensions come before ep's and next to each other.
+    ranks = torch.arange(dims.pp * same * dims.tp).reshape(dims.pp, same // ep, ep, dims.tp).permute(0, 1, 3, 2)
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "etp", "ep"))
+    replicas = mesh["edp", "etp"]._flatten("edp_etp") if dims.tp > 1 else mesh["edp"]
+    return ExpertGroups(mesh, ep, same, replicas)
 
 
 class AllToAllExperts:
@@ -125,9 +140,16 @@ class ExpertParallel:
         self.exchange = AllToAllExperts(self._run_local, groups, self.local)
 
     def __call__(self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        tp = self.exchange.groups.tp
+        if tp > 1:  # this TP rank's part of the tokens the TP group shares
+            group, rank = self.exchange.groups.mesh["etp"].get_group(), self.exchange.groups.mesh["etp"].get_local_rank()
+            sizes = [len(part) for part in torch.arange(tokens.shape[0]).tensor_split(tp)]
+            tokens, top_k_weights = (_TokenPart.apply(t, sizes, rank, group) for t in (tokens, top_k_weights))
+            top_k_index = top_k_index.split(sizes)[rank]
         slots = group_by_expert(top_k_index, self.site.n_experts, tokens)
         routed = self.exchange(tokens[slots.token], slots.counts)
-        return slots.combine(routed, top_k_weights, tokens)
+        out = slots.combine(routed, top_k_weights, tokens)
+        return _TokenWhole.apply(out, sizes, rank, group) if tp > 1 else out
 
     def _run_local(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         with _local_parameters(self.module, self.site.weights):
@@ -142,6 +164,46 @@ class ExpertParallel:
             # wait in, and every expert has a gradient (zeros) for its replicas to reduce.
             anchor = x.sum() + sum(getattr(self.module, n).sum() for n in self.site.weights)
         return out + 0.0 * anchor.to(out.dtype)
+
+
+def _gather_parts(part: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Every TP rank's part (sizes[t] rows on rank t) concatenated in rank order, on every rank;
+    padded to the largest for the collective (gloo gathers equal sizes)."""
+    most = max(sizes)
+    padded = part.new_zeros(most, *part.shape[1:])
+    padded[:part.shape[0]] = part
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+
+
+class _TokenPart(torch.autograd.Function):
+    """A TP rank's part of tokens every TP rank holds alike; backward gathers the parts' gradients,
+    so every rank's gradient of the whole is the whole's (Megatron's scatter-to-TP-region)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sizes: list[int], rank: int, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
+        ctx.sizes, ctx.group = sizes, group
+        return x.split(sizes)[rank].clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        return _gather_parts(grad, ctx.sizes, ctx.group), None, None, None
+
+
+class _TokenWhole(torch.autograd.Function):
+    """The TP ranks' parts gathered into the whole on every rank; backward keeps this rank's part
+    of the gradient, alike on every rank as the whole's consumers are (Megatron's
+    gather-from-TP-region)."""
+
+    @staticmethod
+    def forward(ctx, part: torch.Tensor, sizes: list[int], rank: int, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
+        ctx.sizes, ctx.rank = sizes, rank
+        return _gather_parts(part, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        return grad.split(ctx.sizes)[ctx.rank].contiguous(), None, None, None
 
 
 @contextlib.contextmanager
@@ -218,13 +280,15 @@ def reduce_expert_grads(params: list[nn.Parameter], groups: ExpertGroups) -> Cal
 
 def rescale_expert_grads(params: list[nn.Parameter], groups: ExpertGroups) -> Callable[[], None]:
     """After the step's last backward, under FSDP: it averaged each expert gradient over the
-    replicas (dp / ep ranks); the average over every data-parallel rank is 1/ep of that. (Setting
-    FSDP's divide factor instead needs a pre-multiplied sum, which gloo lacks.)"""
+    replicas (dp·cp / ep ranks, times the TP ranks that split the tokens); the average over every
+    data-parallel rank is tp/ep of that. (Setting FSDP's divide factor instead needs a
+    pre-multiplied sum, which gloo lacks.)"""
+    factor = groups.tp / groups.ep
 
     def rescale() -> None:
         for p in params:
             if p.grad is not None:
-                local_part(p.grad).div_(groups.ep)
+                local_part(p.grad).mul_(factor)
 
     return rescale
 

@@ -321,12 +321,13 @@ def _measure_variant(cfg: ModelConfig, seed: int, sample: Batch, precision: str,
         plan = {}
     norms = _sequence_norms(model, spec)
     head = spec.head(model) if spec.plan is not None else None
+    experts = [site.module for site in expert_sites(model, spec)]
     if checkpointing != "none":  # after the plan's names are read: the wrappers rename the blocks' modules
         apply_ac(spec.blocks, checkpointing)
     blocks = [b.module for b in spec.blocks]
     with FlopCount() as flops:
         split = measure_tp_split(model, plan, lambda: batch_loss(model, sample, model_loss(cfg)), blocks, norms,
-                                 model.get_submodule(head) if head is not None else None)
+                                 model.get_submodule(head) if head is not None else None, experts)
     samples = batch_size(sample)
     # A block's backward temporaries at twice the batch tell the part that grows with it from the rest.
     doubled = _doubled(sample)

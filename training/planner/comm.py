@@ -80,6 +80,13 @@ def group_of(d: ParallelDims, dim: str, devices_per_node: int | None) -> Group:
         ranks, inner = d.dp_size * d.cp, names[names.index("cp") + 1:]
     elif dim == "ep":  # an expert group: ep neighbouring data- or context-parallel ranks (training/parallel/ep.py)
         ranks, inner = d.ep, names[names.index("cp") + 1:]
+    elif dim == "edp" and d.ep > 1 and d.tp > 1:
+        # An expert's replicas: the TP ranks (neighbours) of one in each expert group (ep·tp apart).
+        ranks = expert_replicas(d)
+        if devices_per_node is None:
+            return Group(ranks, ranks)
+        groups = max(1, min(ranks // d.tp, devices_per_node // (d.ep * d.tp)))
+        return Group(ranks, min(ranks, min(d.tp, devices_per_node) * groups))
     elif dim == "edp":  # an expert's replicas: one in each expert group, ep of those ranks apart
         ranks, inner, spacing = expert_replicas(d), names[names.index("cp") + 1:], d.ep
     else:
@@ -268,21 +275,23 @@ def all_to_all_bytes(shape: Shape, tokens: float, precision: str) -> float:
 
 
 def routed_tokens(shape: Shape, micro_batch: int, d: ParallelDims) -> float:
-    """The tokens one rank routes in a micro-batch: its samples' tokens, its part of each sequence
-    under context parallelism."""
-    return micro_batch * shape.seq_len / d.cp
+    """The tokens one rank routes in a micro-batch under expert parallelism: its samples' tokens,
+    its part of each sequence under context parallelism, its TP rank's part of those under tensor
+    parallelism (training/parallel/ep.py)."""
+    return micro_batch * shape.seq_len / d.cp / d.tp
 
 
 def expert_traffic(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, grad_accum: int,
                    microbatches: int, precision: str, expert_psi: float, moe_layers: int,
                    call: Callable[..., float], link: Callable[[str, Group], Link], devices_per_node: int | None,
                    recompute: str, imbalance: float = 1.0) -> tuple[float, float, float]:
-    """(the experts' data-parallel seconds, the part of it after backward, the all-to-alls' seconds)
+    """(the experts' data-parallel seconds, the part of it after backward, the dispatch's seconds)
     of one step on one rank under expert parallelism (training/parallel/ep.py), in the calls it
     makes. Every MoE layer, per micro-batch (and pipeline microbatch): forward one all-to-all of
     the expert counts and two of the tokens (dispatch, combine), backward two of their gradients;
     recomputation (full or selective: its policy keeps no collective) repeats the forward's three.
-    The experts' replicas (dp·cp / ep ranks) reduce-scatter and gather them under FSDP, once per MoE
+    Under TP each TP rank routes its part of the tokens, and the parts are all-gathered (forward
+    one, backward two). The experts' replicas (dp·cp / ep ranks, times tp) reduce-scatter and gather them under FSDP, once per MoE
     layer (their own unit), or all-reduce their gradients after backward under DDP (one call per
     weight, two a layer: nothing left to hide behind).
 
@@ -298,6 +307,13 @@ def expert_traffic(shape: Shape, strategy: str, d: ParallelDims, micro_batch: in
     calls = moe_layers * chunks
     a2a_s = (call("all_to_all", tokens * (2 * forwards + 2), ep_group, calls * (2 * forwards + 2))
              + call("all_to_all", 8 * max(shape.experts) * calls * forwards, ep_group, calls * forwards))
+    if d.tp > 1:
+        # The TP ranks' parts of each MoE layer's tokens gathered whole again: forward the experts'
+        # output (again under recomputation), backward the tokens' gradients and their routing
+        # weights' (training/parallel/ep.py; the gathers are padded to the largest part).
+        whole = micro_batch * shape.seq_len / d.cp * COMPUTE_BYTES[precision] * grad_accum * moe_layers
+        a2a_s += call("all_gather", whole * (shape.hidden * forwards + shape.hidden + shape.top_k),
+                      group_of(d, "tp", devices_per_node), calls * (forwards + 2))
     if expert_replicas(d) == 1:
         return 0.0, 0.0, a2a_s
     dtype_bytes = COMPUTE_BYTES[precision]

@@ -99,10 +99,11 @@ def stage_params(shape: Shape, d: ParallelDims) -> tuple[float, float]:
 
 
 def expert_replicas(d: ParallelDims) -> int:
-    """Ranks holding the same experts (one in each expert group, carved out of the data- and
-    context-parallel ranks): FSDP shards the experts over them, DDP all-reduces their gradients
-    over them (training/parallel/ep.py)."""
-    return d.dp_size * d.cp // d.ep
+    """Ranks holding the same experts, each routing tokens of its own (one in each expert group,
+    carved out of the data- and context-parallel ranks, times the TP ranks, which split their
+    tokens under expert parallelism): FSDP shards the experts over them, DDP all-reduces their
+    gradients over them (training/parallel/ep.py)."""
+    return d.dp_size * d.cp // d.ep * (d.tp if d.ep > 1 else 1)
 
 
 def _ends(shape: Shape, d: ParallelDims) -> tuple[float, float]:
@@ -217,7 +218,8 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
     """The activations one rank holds at the start of backward, the loss's temporaries included.
 
     TP divides what its plan splits, and the head's logits and the loss's temporaries where it
-    splits the head by vocabulary; with sequence parallelism the blocks' rest too (norms,
+    splits the head by vocabulary, and under expert parallelism what the experts save (its TP ranks
+    split their tokens); with sequence parallelism the blocks' rest too (norms,
     residuals and the split linears' inputs are sharded over the sequence: Korthikanti et al.'s
     32sbh/t without dropout; measured within 0.2 %), all but the head's input. CP
     divides every token's activations by cp and adds the peers' K and V its attention keeps for
@@ -250,6 +252,8 @@ def stage_activations(w: Workload, d: ParallelDims) -> StageActivations:
     split = w.head_split(d)
     if d.tp > 1:
         kept = a.sp_replicated if w.sequence_parallel else a.tp_replicated
+        if d.ep > 1:  # the TP ranks split the experts' tokens (training/parallel/ep.py)
+            kept = max(kept - a.experts, 0.0)
         if split > 1:  # the head's logits and the loss's temporaries are this rank's share
             kept = max(kept - a.head - a.loss_temp, 0.0)
             per_sample -= a.loss_temp

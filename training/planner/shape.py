@@ -101,6 +101,10 @@ class Activations:
     head: float = 0.0
     """Of `outside_blocks`, what is saved after the head (its logits, the loss's softmax): split with
     the loss's temporaries over the TP ranks where the head is split (Shape.head_params)."""
+    experts: float = 0.0
+    """Of `tp_replicated`, what the experts modules save (the routed tokens, the experts' hidden
+    activations): split over the TP ranks under expert parallelism, which splits their tokens
+    (training/parallel/ep.py)."""
     block_backward: float = 0.0
     """Not saved, made by backward: per sample, what one block's backward holds while it runs (its
     activations' gradients; training/activations.py BackwardTemporaries), beside the rest of the

@@ -64,9 +64,11 @@ class Workload:
 
     def tp_unsplit(self, d: ParallelDims) -> float:
         """How much more than 1/tp of a sample's compute each tensor-parallel rank runs: the routed
-        experts are in no tensor-parallel plan, so every rank of a TP group runs them whole on the
-        same tokens (1 + share x (tp - 1)); 1 for a dense model or tp = 1."""
-        return 1.0 + self.shape.expert_flops_share * (d.tp - 1)
+        experts are in no tensor-parallel plan, so without expert parallelism every rank of a TP
+        group runs them whole on the same tokens (1 + share x (tp - 1)); with it the TP ranks split
+        the tokens between them (training/parallel/ep.py), as the plan splits the rest. 1 for a
+        dense model or tp = 1."""
+        return 1.0 if d.ep > 1 else 1.0 + self.shape.expert_flops_share * (d.tp - 1)
 
     def head_split(self, d: ParallelDims) -> int:
         """Over how many ranks the head's logits and the loss's temporaries are split."""
