@@ -57,6 +57,10 @@ class TpSplit:
     """The part saved inside the experts modules (routed tokens, the experts' hidden activations),
     counted in `replicated_bytes` (they are in no TP plan): split over the TP ranks where expert
     parallelism splits a TP group's tokens (training/parallel/ep.py)."""
+    moe_bytes: int = 0
+    """The part saved inside the mixture-of-experts layers (router, experts, combine: the experts
+    modules' parents), `experts_bytes` among them: whole on every TP rank under sequence
+    parallelism too, which hands those layers whole tokens (training/parallel/tp.py)."""
     block_backward_bytes: int = 0
     """The most a block's backward allocated beside what it was given and the weight gradients,
     for the whole batch (BackwardTemporaries); not in `per_sample`: part of it is per sample (its
@@ -73,7 +77,7 @@ class TpSplit:
         return Activations(saved=self.saved_bytes / samples + temps, tp_replicated=self.replicated_bytes / samples + temps,
                            outside_blocks=self.outside_blocks_bytes / samples, loss_temp=temps,
                            sp_replicated=sequence / samples + temps, head=self.head_bytes / samples,
-                           experts=self.experts_bytes / samples)
+                           experts=self.experts_bytes / samples, moe=self.moe_bytes / samples)
 
 OPENS = ("colwise",)
 """Styles whose output is split: a split region starts after them (not `colwise_rep`/`_gather`,
@@ -97,7 +101,7 @@ def measure_tp_split(model: nn.Module, plan: dict[str, str], run: Callable[[], t
     they were saved; `plan` is the model's TP plan as full module names -> styles, `blocks` the
     model's blocks (what is saved outside them is told apart too), `sequence_norms` its
     sequence-parallel norms, `head` its output projection (what is saved after it too), `experts`
-    its experts modules (what they save too)."""
+    its experts modules (what they save too, and what their parents, the MoE layers, save)."""
     inside, opening, closing = [False], [False], [False]
     depth, norm_depth = [0], [0]
     split_keys: set[int] = set()
@@ -108,9 +112,11 @@ def measure_tp_split(model: nn.Module, plan: dict[str, str], run: Callable[[], t
     handles = [model.register_forward_hook(lambda m, a, o: outputs.append(_numel(o)))]
     if head is not None:
         handles.append(head.register_forward_hook(lambda m, a, o: saved.after_head.__setitem__(0, True)))
-    expert_depth = [0]
-    handles += _counting(blocks, depth) + _counting(sequence_norms, norm_depth) + _counting(experts, expert_depth)
-    saved.expert_depth = expert_depth
+    expert_depth, moe_depth = [0], [0]
+    layers = [parent for parent in _parents(model, experts)]
+    handles += (_counting(blocks, depth) + _counting(sequence_norms, norm_depth) + _counting(experts, expert_depth)
+                + _counting(layers, moe_depth))
+    saved.expert_depth, saved.moe_depth = expert_depth, moe_depth
     modules = _by_name(model)
     for name, style in plan.items():
         role = _role(style)
@@ -136,7 +142,15 @@ def measure_tp_split(model: nn.Module, plan: dict[str, str], run: Callable[[], t
     unsplit = sum(n for k, n in saved.sizes.items() if k not in block_keys | sequence_keys) if blocks else total
     after_head = sum(n for k, n in saved.sizes.items() if k in saved.head_keys)
     in_experts = sum(n for k, n in saved.sizes.items() if k in saved.expert_keys and k not in split_keys)
-    return TpSplit(total, whole, outside, 2 * 4 * sum(outputs), unsplit, after_head, in_experts, temporaries.block_peak)
+    in_moe = sum(n for k, n in saved.sizes.items() if k in saved.moe_keys and k not in split_keys)
+    return TpSplit(total, whole, outside, 2 * 4 * sum(outputs), unsplit, after_head, in_experts, in_moe,
+                   temporaries.block_peak)
+
+
+def _parents(model: nn.Module, modules: list[nn.Module] | tuple) -> list[nn.Module]:
+    """The modules holding each of `modules` (a mixture of experts' layer holds its experts)."""
+    wanted = {id(m) for m in modules}
+    return [parent for parent in model.modules() for child in parent.children() if id(child) in wanted]
 
 
 def _by_name(model: nn.Module) -> dict[str, nn.Module]:
@@ -278,6 +292,7 @@ class _Classifier(SavedActivations):
         self.depth, self.block_keys, self.norm_depth, self.sequence_keys = depth, block_keys, norm_depth, sequence_keys
         self.after_head, self.head_keys = [False], set()
         self.expert_depth, self.expert_keys = [0], set()
+        self.moe_depth, self.moe_keys = [0], set()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._classify(t, self.inside[0])
@@ -302,6 +317,8 @@ class _Classifier(SavedActivations):
             self.head_keys.update(new)
         if self.expert_depth[0] > 0:
             self.expert_keys.update(new)
+        if self.moe_depth[0] > 0:
+            self.moe_keys.update(new)
 
     @property
     def sizes(self) -> dict[int, int]:

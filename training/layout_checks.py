@@ -46,10 +46,6 @@ def check_layout(s: StrategyConfig, dims: ParallelDims, facts: ContractFacts, mo
                           "repeated blocks to checkpoint: name them with model.blocks=<dotted path of the list>")
     if s.sequence_parallel and dims.tp > 1 and facts.sp_problem is not None:
         raise ConfigError("strategy.sequence_parallel", True, facts.sp_problem)
-    if s.sequence_parallel and dims.tp > 1 and facts.experts:
-        raise ConfigError("strategy.sequence_parallel", True, f"model={model} is a mixture of experts, and sequence "
-                          "parallelism would hand its experts a sequence-split DTensor: not built yet; use "
-                          "strategy.sequence_parallel=false (with ep the TP ranks split the experts' tokens)")
     if dims.cp > 1:
         _check_cp(dims.cp, facts, model, data)
     problem = facts.ep_problem if s.ep > 1 else None

@@ -223,3 +223,29 @@ def test_tensor_parallel_ranks_split_the_tokens_they_route():
     assert balanced == 4 * 16 // 2 * 2 * 32 * 4, "a TP rank's half of 4 sequences of 16 tokens, top 2, width 32"
     for call in range(steps * layers * calls):
         assert sum(s[call] for s in sent) == 4 * balanced
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero3"])
+def test_sequence_parallelism_hands_the_experts_whole_tokens_and_takes_their_output_by_position(name):
+    """tp=2 with sequence parallelism at world 2: the blocks' norms and residual stream split by
+    position, each MoE layer given the gathered norm output whole (as under TP alone) and its
+    output cut by position again (training/parallel/tp.py): one process's losses and loads."""
+    one = run(StrategyConfig(name="ddp"), 1, MOE)
+    two = run(StrategyConfig(name=name, dp_replicate=1, dp_shard=1, tp=2, sequence_parallel=True), 2, MOE)
+    assert two.losses == pytest.approx(one.losses, **TOL)
+    assert two.ranks_in_sync
+    assert two.expert_load == one.expert_load
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [StrategyConfig(name="hybrid", dp_shard=2, tp=2, ep=2, sequence_parallel=True),
+                                      StrategyConfig(name="hybrid", dp_replicate=2, dp_shard=1, tp=2, ep=2,
+                                                     sequence_parallel=True)],
+                         ids=["fsdp2xtp2-sp-ep2", "hsdp2xtp2-sp-ep2"])
+def test_sequence_parallelism_with_experts_split_over_ranks_matches_one_process(strategy):
+    """The same at world 4 with ep=2: each TP rank sends its part of the whole tokens to its
+    expert group, and the parts are gathered back before the cut by position."""
+    one, four = run(StrategyConfig(name="ddp"), 1, MOE), run(strategy, 4, MOE)
+    assert four.losses == pytest.approx(one.losses, **TOL)
+    assert four.ranks_in_sync
+    assert four.expert_load == one.expert_load

@@ -48,8 +48,6 @@ BAD = [
     (["model=gpt-moe-tiny", "strategy=pp", "strategy.ep=2"], "strategy.ep=2: must divide the data-parallel size 1"),
     (["model=gpt-moe-tiny", "strategy=hybrid", "strategy.cp=2", "strategy.tp=2", "strategy.ep=4", "nodes=4"],
      "strategy.ep=4: must divide the data- and context-parallel ranks 2 (dp_replicate x dp_shard x cp)"),
-    (["model=gpt-moe-tiny", "strategy=hybrid", "strategy.tp=2", "strategy.sequence_parallel=true", "nodes=2"],
-     "strategy.sequence_parallel=True: model=gpt-moe-tiny is a mixture of experts"),
     (["strategy.precision=fp8"], "strategy.precision='fp8': is a what-if precision: training Float8 linears is not built"),
     (["plan.precisions=[bf16,fp8]"], "plan.precisions='fp8': is a what-if precision"),
     (["pipeline=plan", "cluster=a100-80g-ib", "strategy.precision=fp8"],

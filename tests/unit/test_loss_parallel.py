@@ -67,9 +67,9 @@ def _counting_collectives():
         yield counts
 
 
-def _collectives(model_cfg: ModelConfig, tp: int = 2) -> tuple[int, int]:
-    """(all-reduces, all collectives) of one forward + backward of the trainer's step at `tp`,
-    as rank 0 of a fake process group runs it."""
+def _collectives(model_cfg: ModelConfig, tp: int = 2, strategy: StrategyConfig | None = None) -> tuple[int, int]:
+    """(all-reduces, all collectives) of one forward + backward of the trainer's step at `tp`
+    (`strategy`: plain TP), as rank 0 of a fake process group runs it."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -79,8 +79,8 @@ def _collectives(model_cfg: ModelConfig, tp: int = 2) -> tuple[int, int]:
     dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
     try:
         model = build_model(model_cfg, 0)
-        parallel = parallelize(model, model_spec(model, model_cfg), StrategyConfig(name="tp"), torch.device("cpu"),
-                               model_loss(model_cfg))
+        parallel = parallelize(model, model_spec(model, model_cfg), strategy or StrategyConfig(name="tp"),
+                               torch.device("cpu"), model_loss(model_cfg))
         tokens = torch.zeros(2, 16, dtype=torch.long)
         with _counting_collectives() as counts:
             parallel.forward_backward((tokens, tokens), 1.0)
@@ -102,6 +102,27 @@ def test_the_trainers_tp_collectives_are_the_cost_models_with_and_without_the_sp
 
     assert _collectives(OWN_LOSS) == (calls(0), calls(0)) == (8, 8)
     assert _collectives(GPT) == (calls(V * H), calls(V * H)) == (12, 12)
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
+def test_a_moe_layer_under_sequence_parallelism_takes_whole_tokens_and_reduce_scatters_nothing(checkpointing):
+    """tp=2 with sequence parallelism, a 2-layer GPT and the same with 4 experts in each block: the
+    MoE layers take the gathered norm output whole and cut their output by position, so against
+    the dense blocks they make 2 reduce-scatters fewer each (forward and backward) and, where the
+    column-split linears re-gather their saved shard (no checkpointing), one all-gather fewer: what
+    the cost model takes off."""
+    moe = dataclasses.replace(OWN_LOSS, kwargs={**OWN_LOSS.kwargs, "n_experts": 4, "top_k": 2})
+    strategy = StrategyConfig(name="tp", sequence_parallel=True, activation_checkpointing=checkpointing)
+
+    def calls(experts: tuple[int, ...]) -> int:
+        shape = Shape(params=10**6, layers=2, block_linear_params=10**5, hidden=H, seq_len=16, heads=4,
+                      first_stage_params=V * H, last_stage_params=V * H, experts=experts,
+                      expert_params=1000 if experts else 0, top_k=2 if experts else 0)
+        return comm_time(shape, "ddp", ParallelDims(tp=2), 2, 1, 1, "fp32", _link, recompute=checkpointing,
+                         sequence_parallel=True).calls
+
+    measured = _collectives(moe, strategy=strategy)[1] - _collectives(OWN_LOSS, strategy=strategy)[1]
+    assert measured == calls((4, 4)) - calls(()) == -2 * (2 + (checkpointing == "none"))
 
 
 def _link(collective, group):  # noqa: ANN001, ANN202 - any α–β link: only the calls are counted

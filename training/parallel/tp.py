@@ -83,12 +83,18 @@ class SequenceLayout:
     keep_shards: bool = True
     """Column-split linears save their input's shard and gather it again in backward (Megatron's);
     false where activation checkpointing recomputes the block, and the gather with it, anyway."""
+    whole: list[nn.Module] = field(default_factory=list)
+    """Modules of the blocks outside the TP plan that take whole tokens: a mixture of experts'
+    layers (router and experts), which get the gathered norm output as TP alone hands it and give
+    their output back by position."""
 
 
 def sequence_layout(model: nn.Module, spec: ModelSpec, checkpointing: str) -> SequenceLayout:
-    """The model's sequence-parallel layout under `checkpointing` (ContractError: no norms declared)."""
+    """The model's sequence-parallel layout under `checkpointing` (ContractError: no norms declared):
+    the MoE layers are the parents of the experts modules its expert plan names."""
+    moe = [model.get_submodule(site.name.rpartition(".")[0]) for site in spec.experts(model, whole=False)]
     return SequenceLayout(spec.sp_norms(model, whole=False), [b.module for b in spec.live_blocks()],
-                          checkpointing == "none")
+                          checkpointing == "none", moe)
 
 
 def apply_tp(model: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh,
@@ -116,6 +122,8 @@ def apply_tp(model: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh,
         model.get_submodule(head).register_forward_hook(_mark_split_logits)
     if sequence is not None:
         _split_residual_stream(model, sequence.blocks, tp_mesh)
+        for module in sequence.whole:
+            _takes_whole_tokens(module, tp_mesh)
         if sequence.keep_shards:
             for name, style in plan.items():
                 if style == "colwise" and name in present:
@@ -190,6 +198,28 @@ def _split_residual_stream(model: nn.Module, blocks: list[nn.Module], mesh: Devi
     for block in blocks:
         block.register_forward_pre_hook(lambda m, args: (by_position(args[0], mesh), *args[1:]))
     model.register_forward_hook(lambda m, args, out: out.full_tensor() if _positional(out) else out)
+
+
+def _takes_whole_tokens(module: nn.Module, mesh: DeviceMesh) -> None:
+    """A module of a sequence-parallel block outside the TP plan (a mixture of experts' layer): it
+    takes the block's gathered norm output as a plain whole tensor, as under TP alone (every TP
+    rank routes every token; under expert parallelism each then sends its part to the experts,
+    training/parallel/ep.py), and hands its output on by position for the residual stream: a
+    local cut, whose gradient is all-gathered in backward."""
+
+    def whole(m: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        if isinstance(x, DTensor):  # its gradient comes back whole and alike on every TP rank
+            x = x.redistribute(placements=[Replicate()]).to_local()
+        return (x, *args[1:])
+
+    def by_positions(m: nn.Module, args: tuple, out: Any) -> Any:
+        if isinstance(out, tuple):
+            return (by_position(out[0], mesh), *out[1:])
+        return by_position(out, mesh)
+
+    module.register_forward_pre_hook(whole)
+    module.register_forward_hook(by_positions)
 
 
 def _positional(out: Any) -> bool:

@@ -235,6 +235,13 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
     if sequence_parallel:
         gathers = per_layer * (6 + {"full": 2, "selective": 2}.get(recompute, 0))
         scatters = per_layer * (4 + (2 if recompute == "full" else 0))
+        # A MoE layer is in no TP plan: it takes the gathered norm output whole and cuts its output
+        # by position (training/parallel/tp.py), so its feed-forward reduce-scatters nothing, in
+        # forward or backward, nor re-gathers a saved shard (measured, fake process group:
+        # tests/unit/test_loss_parallel.py).
+        moe = math.ceil(shape.moe_layers / d.pp) * grad_accum
+        gathers -= moe * (1 if recompute == "none" else 0)
+        scatters -= moe * 2
         tp_s = (call("all_gather", activation * gathers, tp_group, gathers)
                 + call("reduce_scatter", activation * scatters, tp_group, scatters))
     else:

@@ -251,7 +251,9 @@ def stage_activations(w: Workload, d: ParallelDims) -> StageActivations:
     per_sample = a.saved
     split = w.head_split(d)
     if d.tp > 1:
-        kept = a.sp_replicated if w.sequence_parallel else a.tp_replicated
+        # Sequence parallelism hands the MoE layers whole tokens (training/parallel/tp.py): they
+        # keep what they save whole, as under TP alone.
+        kept = a.sp_replicated + a.moe if w.sequence_parallel else a.tp_replicated
         if d.ep > 1:  # the TP ranks split the experts' tokens (training/parallel/ep.py)
             kept = max(kept - a.experts, 0.0)
         if split > 1:  # the head's logits and the loss's temporaries are this rank's share

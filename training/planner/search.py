@@ -56,8 +56,7 @@ def search(space: Space, shape: Shape, hw: Hardware, tokens_per_sample: int, mod
             continue
         buckets = space.bucket_caps_mb if strategies.get(flavour).wrapper == "ddp" and d.dp_replicate > 1 else (25.0,)
         for variant in space.variants:
-            # Sequence parallelism hands the experts a sequence-split DTensor: not for a mixture of experts.
-            for sp in ((False, True) if d.tp > 1 and not shape.experts else (False,)):
+            for sp in ((False, True) if d.tp > 1 else (False,)):
                 setting = _Setting(space, shape, hw, flavour, d, name, variant, sp, buckets, tokens_per_sample,
                                    model_flops_per_sample, memory_limit, overlap, calibration, command_prefix)
                 found, held = _walk(setting)

@@ -105,6 +105,9 @@ class Activations:
     """Of `tp_replicated`, what the experts modules save (the routed tokens, the experts' hidden
     activations): split over the TP ranks under expert parallelism, which splits their tokens
     (training/parallel/ep.py)."""
+    moe: float = 0.0
+    """Of `saved`, what the mixture-of-experts layers save (router, experts, combine; `experts` among
+    it): whole on every TP rank under sequence parallelism too, which hands them whole tokens."""
     block_backward: float = 0.0
     """Not saved, made by backward: per sample, what one block's backward holds while it runs (its
     activations' gradients; training/activations.py BackwardTemporaries), beside the rest of the
