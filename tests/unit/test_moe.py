@@ -154,6 +154,23 @@ def test_a_hugging_face_moe_counts_its_active_parameters_on_meta(compose_cfg, pr
     assert flops.linear == 6 * active * seq
 
 
+@pytest.mark.parametrize(("preset", "expert_width"), [("hf-mixtral", "model.intermediate_size=1024"),
+                                                     ("hf-qwen3-moe", "model.moe_intermediate_size=1024")])
+def test_a_hugging_face_moe_too_large_to_run_here_passes_the_contract_check_on_meta(compose_cfg, preset,
+                                                                                     expert_width):
+    """A Hugging Face MoE past the real-forward limit (here 2 layers of 128 experts of 3 x 1024 x 1024,
+    0.8 G parameters) is checked on the meta device. transformers' default grouped GEMM takes only
+    bf16 there, so this used to fail as "a batch of markov does not fit" before any layout check."""
+    from training.contract.check import REAL_FORWARD_MAX_BYTES, describe
+
+    cfg = compose_cfg(f"model={preset}", "tracking=none", "model.hidden_size=1024", expert_width,
+                      "model.num_local_experts=128",
+                      "model.num_attention_heads=8", "model.num_key_value_heads=2")
+    facts = describe(cfg.model, cfg.data, seed=0)
+    assert facts.checked_on == "meta"
+    assert facts.params * 4 > REAL_FORWARD_MAX_BYTES
+
+
 def test_the_counting_experts_forward_computes_what_transformers_does():
     """routed_experts_forward (what the plan counts with) against transformers' own experts forward,
     on real values: the same output and the same gradients."""

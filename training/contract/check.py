@@ -112,6 +112,12 @@ def describe(model_cfg: ModelConfig, data_cfg: DataConfig, seed: int) -> Contrac
     checked_on = "cpu" if params * 4 <= REAL_FORWARD_MAX_BYTES else "meta"
     if checked_on == "cpu":
         model = _model(model_cfg, seed, torch.device("cpu"))
+    else:
+        # transformers' default grouped GEMM (torch._grouped_mm) takes only bf16 on the meta
+        # device: the shapes are checked through the routed loop the rulers count with.
+        from training.contract.hf import count_experts_as_routed
+
+        count_experts_as_routed(model)
     batch = _collate(items, data_cfg, torch.device(checked_on))
     _check_vocabulary(model, dataset, model_cfg, data_cfg)
     with count_attention_calls() as attention:
