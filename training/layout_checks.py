@@ -49,7 +49,7 @@ def check_layout(s: StrategyConfig, dims: ParallelDims, facts: ContractFacts, mo
     if dims.cp > 1:
         _check_cp(dims.cp, facts, model, data)
     problem = facts.ep_problem if s.ep > 1 else None
-    problem = problem or expert_parallel_problem(dims, s.shards_optimizer_only, facts.experts)
+    problem = problem or expert_parallel_problem(dims, facts.experts)
     if problem is not None:
         raise ConfigError("strategy.ep", s.ep, problem)
 

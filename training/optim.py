@@ -8,7 +8,7 @@ Megatron-Core's distributed optimizer does:
 - the model holds bf16 parameters and gradients (2 + 2 bytes per parameter);
 - the optimizer holds the fp32 master copy and Adam's two fp32 moments (4 + 8 bytes), for every
   parameter, or under zero1 only for this rank's partition of them (12 / N bytes): the ZeRO
-  paper's P_os;
+  paper's P_os (split experts: N their replicas);
 - a step casts the gradients of one chunk at a time to fp32 (never a whole fp32 gradient copy),
   updates the masters, writes them back to the bf16 parameters, and under zero1 each rank then
   broadcasts the partition it updated to the others.
@@ -86,21 +86,25 @@ class MasterAdamW(torch.optim.AdamW):
     """AdamW whose parameters are the fp32 masters of this rank's share of the model.
 
     `masters` maps a model parameter to its fp32 master (the fp32 parameter it was cast from);
-    a parameter not in it is its own master. With `group` (zero1), each rank updates an even
-    share of the parameters' elements (`partition`) and broadcasts it after the step; a master
-    is then a slice, of the fp32 parameter itself in fp32 (nothing copied)."""
+    a parameter not in it is its own master. With `shard_over` (zero1), each group of ranks shares
+    out its parameters: each rank updates an even share of their elements (`partition`) and
+    broadcasts it over that group after the step; a master is then a slice, of the fp32 parameter
+    itself in fp32 (nothing copied). Under expert parallelism, as Megatron-Core's distributed
+    optimizer, the dense parameters go to the data-parallel ranks and the split experts to their
+    replicas, the ranks that hold the same experts."""
 
     def __init__(self, params: list[nn.Parameter], masters: dict[nn.Parameter, torch.Tensor], lr: float,
-                 weight_decay: float, group: dist.ProcessGroup | None = None):
+                 weight_decay: float, shard_over: list[tuple[list[nn.Parameter], dist.ProcessGroup]] | None = None):
         self.model_params = params
-        self.group = group
-        if group is None:
-            self.shares = [[Piece(p, 0, _local(p).numel()) for p in params]]
-            self.pairs = [(piece, masters.get(piece.param, piece.param)) for piece in self.shares[0]]
+        self.sets: list[tuple[dist.ProcessGroup | None, list[list[Piece]]]]
+        if shard_over is None:
+            self.sets = [(None, [[Piece(p, 0, _local(p).numel()) for p in params]])]
+            self.pairs = [(piece, masters.get(piece.param, piece.param)) for piece in self.sets[0][1][0]]
         else:
-            self.shares = partition(params, dist.get_world_size(group))
-            mine = self.shares[dist.get_rank(group)]
-            self.pairs = [(piece, self._slice(piece, masters)) for piece in mine]
+            assert sum(len(ps) for ps, _ in shard_over) == len(params), "every parameter in one group"
+            self.sets = [(group, partition(ps, dist.get_world_size(group))) for ps, group in shard_over]
+            self.pairs = [(piece, self._slice(piece, masters))
+                          for group, shares in self.sets for piece in shares[dist.get_rank(group)]]
         super().__init__([m for _, m in self.pairs], lr=lr, weight_decay=weight_decay)
         init_state(self)
 
@@ -113,7 +117,7 @@ class MasterAdamW(torch.optim.AdamW):
 
     @property
     def partitioned(self) -> bool:
-        return self.group is not None
+        return self.sets[0][0] is not None
 
     @property
     def has_masters(self) -> bool:
@@ -122,7 +126,7 @@ class MasterAdamW(torch.optim.AdamW):
 
     def _grad(self, piece: Piece) -> torch.Tensor:
         grad = piece.param.grad
-        if self.group is None:
+        if not self.partitioned:
             return grad
         return _flat(grad)[piece.start:piece.stop]
 
@@ -160,30 +164,33 @@ class MasterAdamW(torch.optim.AdamW):
                         self._write_back(piece, m)
         finally:
             group["params"] = everything
-        if self.group is not None:
+        if self.partitioned:
             self._broadcast_shares()
 
     def _write_back(self, piece: Piece, master: torch.Tensor) -> None:
         if _shares_storage(piece.param, master):
             return
-        if self.group is None:
+        if not self.partitioned:
             piece.param.copy_(master)
         else:
             _flat(piece.param)[piece.start:piece.stop].copy_(master)
 
     def _broadcast_shares(self) -> None:
-        """Each rank's updated share to the others: one broadcast per rank, of its pieces
-        flattened in the model's dtype, so the transient is one share."""
-        for owner, pieces in enumerate(self.shares):
-            if not pieces:
+        """Each rank's updated share to the others of its group: one broadcast per rank, of its
+        pieces flattened in the model's dtype, so the transient is one share."""
+        for group, shares in self.sets:
+            if dist.get_world_size(group) == 1:
                 continue
-            views = [_flat(piece.param)[piece.start:piece.stop] for piece in pieces]
-            flat = torch.cat(views)
-            dist.broadcast(flat, src=dist.get_global_rank(self.group, owner), group=self.group)
-            offset = 0
-            for view in views:
-                view.copy_(flat[offset:offset + view.numel()])
-                offset += view.numel()
+            for owner, pieces in enumerate(shares):
+                if not pieces:
+                    continue
+                views = [_flat(piece.param)[piece.start:piece.stop] for piece in pieces]
+                flat = torch.cat(views)
+                dist.broadcast(flat, src=dist.get_global_rank(group, owner), group=group)
+                offset = 0
+                for view in views:
+                    view.copy_(flat[offset:offset + view.numel()])
+                    offset += view.numel()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -211,7 +218,7 @@ class MasterAdamW(torch.optim.AdamW):
         with torch.no_grad():
             for piece, m in self.pairs:
                 self._write_back(piece, m)
-            if self.group is not None:
+            if self.partitioned:
                 self._broadcast_shares()
 
 

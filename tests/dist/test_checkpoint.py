@@ -71,12 +71,14 @@ def test_zero1_optimizer_shards_say_why_they_cannot_move(tmp_path):
     ("first", "second", "world"),
     [(StrategyConfig(name="zero3", ep=2), StrategyConfig(name="zero3", ep=2), 2),
      (StrategyConfig(name="ddp", ep=2), StrategyConfig(name="zero3"), 2),
-     (StrategyConfig(name="zero3", ep=2), StrategyConfig(name="zero3", ep=4), 4)],
-    ids=["fsdp-ep2", "ddp-ep2-to-fsdp-ep1", "ep2-to-ep4-on-4"],
+     (StrategyConfig(name="zero3", ep=2), StrategyConfig(name="zero3", ep=4), 4),
+     (StrategyConfig(name="zero1", ep=2), StrategyConfig(name="zero1", ep=2), 2)],
+    ids=["fsdp-ep2", "ddp-ep2-to-fsdp-ep1", "ep2-to-ep4-on-4", "zero1-ep2"],
 )
 def test_experts_split_over_ranks_resume_from_their_checkpoint(tmp_path, first, second, world):
     """Split experts are DTensors sharded along the experts: DCP writes each rank's experts under the
-    whole model's names and reads back whatever split the re-run has (the same, none, or more ranks)."""
+    whole model's names and reads back whatever split the re-run has (the same, none, or more ranks);
+    under zero1 each rank's optimizer file holds its share of the rest and of its experts."""
     resumed = crash_then_resume(tmp_path, first, second, world=world, model=MOE)
     clean = uninterrupted(tmp_path, first, model=MOE)
     assert resumed.resumed_from == EVERY and resumed.ep == second.ep and resumed.world_size == world

@@ -43,7 +43,6 @@ BAD = [
     (["strategy=tp", "model=mlp", "data=blobs"], "strategy.tp=2: model=mlp has no tensor-parallel plan"),
     (["strategy.precision=fp16"], "strategy.precision='fp16': needs CUDA"),
     (["strategy.ep=2"], "strategy.ep=2: the model declares no experts to split: name its experts modules"),
-    (["model=gpt-moe-tiny", "strategy=zero1", "strategy.ep=2"], "strategy.ep=2: zero1's sharded optimizer"),
     (["model=gpt-moe-tiny", "strategy.ep=3", "nodes=3"], "strategy.ep=3: must divide every layer's experts (4)"),
     (["model=gpt-moe-tiny", "strategy=pp", "strategy.ep=2"], "strategy.ep=2: must divide the data-parallel size 1"),
     (["model=gpt-moe-tiny", "strategy=hybrid", "strategy.cp=2", "strategy.tp=2", "strategy.ep=4", "nodes=4"],

@@ -56,6 +56,12 @@ def test_states_per_rank_under_ep_and_dp_shard_are_the_hand_count():
     # = 4, the experts split over ep=2 of those 4 and sharded over the other 2 (their replicas).
     assert states("zero3", ParallelDims(dp_shard=2, cp=2, ep=2)) == pytest.approx(16 * DENSE / 4 + 16 * EXPERTS / 2 / 2)
     assert states("ddp", ParallelDims(dp_replicate=1, cp=2, ep=2)) == 16 * (DENSE + EXPERTS / 2)
+    # zero1 at dp 4, ep 2: the optimizer's fp32 masters and moments (12 bytes in bf16, the moments' 8
+    # in fp32) shared out over the 4 data-parallel ranks for the rest, over the 2 replicas of the
+    # rank's 4000 experts' parameters for those.
+    zero1 = ParallelDims(dp_replicate=4, ep=2)
+    assert states("zero1", zero1, "bf16") == pytest.approx((4 + 12 / 4) * DENSE + (4 + 12 / 2) * EXPERTS / 2)
+    assert states("zero1", zero1) == pytest.approx((8 + 8 / 4) * DENSE + (8 + 8 / 2) * EXPERTS / 2)
 
 
 def test_the_active_parameters_flops_of_a_top_2_of_8_layer():
@@ -132,6 +138,25 @@ def test_split_experts_are_reduced_over_their_replicas_alone():
     assert comm.tail_s >= experts
 
 
+def test_zero1_broadcasts_the_experts_shares_over_their_replicas():
+    """zero1 at dp 4, ep 2, fp32: DDP's all-reduces as above, then each rank broadcasts the share it
+    updated: the rest's over all 4 (4 calls), the experts' over their 2 replicas (2 calls), after
+    the step (in the tail: nothing left to hide behind)."""
+    wire = Link(alpha_s=0.0, busbw_gbps=1.0, world=2)
+    seen = []
+
+    def link(collective, group):
+        seen.append((collective, group.ranks))
+        return wire
+
+    comm = comm_time(SHAPE, "zero1", ParallelDims(dp_replicate=4, ep=2), 1, 1, 1, "fp32", link)
+    dense = 4 * DENSE * 2 * 3 / 4 / 1e9 + 4 * DENSE / 1e9
+    experts = 4 * EXPERTS / 2 * 2 * 1 / 2 / 1e9 + 4 * EXPERTS / 2 / 1e9
+    assert comm.data_parallel_s == pytest.approx(dense + experts)
+    assert ("broadcast", 4) in seen and ("broadcast", 2) in seen
+    assert comm.tail_s >= experts
+
+
 def test_the_groups_of_an_expert_layout_and_the_tier_they_ride():
     """ep is carved out of dp (and cp), its ranks neighbours: ep=8 on nodes of 8 stays inside one,
     ep=16 crosses; the replicas are ep ranks apart."""
@@ -196,7 +221,8 @@ def test_the_search_offers_ep_where_the_trainer_can_split_the_experts():
     found = {(flavour, d) for flavour, d in layouts(8, SHAPE)}
     split = {(flavour, d) for flavour, d in found if d.ep > 1}
     assert {d.ep for _, d in split} == {2, 4, 8}
-    assert all(flavour != "zero1" and d.cp == 1 and d.dp_size % d.ep == 0 for flavour, d in split)
+    assert all(d.cp == 1 and d.dp_size % d.ep == 0 for flavour, d in split)
+    assert ("zero1", ParallelDims(dp_replicate=8, ep=4)) in split  # the experts' optimizer over their 2 replicas
     # A model context parallelism can split: ep is also carved out of the CP ranks.
     with_cp = {(flavour, d) for flavour, d in layouts(8, SHAPE, context_parallel=True) if d.ep > 1 and d.cp > 1}
     assert ("zero3", ParallelDims(dp_shard=2, cp=4, ep=8)) in with_cp

@@ -336,12 +336,19 @@ def build_optimizer(parallel: Parallel, lr: float, weight_decay: float) -> torch
     """AdamW over this rank's parameters, its state created now and stepped a chunk at a time
     (training/optim.py): over fp32 masters of bf16 parameters where the layout has no FSDP,
     sharded over the data-parallel ranks under zero1 (ZeRO's P_os: each rank updates and
-    broadcasts its share)."""
+    broadcasts its share), split experts over their replicas."""
     from training.optim import MasterAdamW
 
     params = [p for p in parallel.model.parameters() if p.requires_grad]
-    group = parallel.dp_group if parallel.shard_optimizer else None
-    optimizer = MasterAdamW(params, parallel.masters, lr, weight_decay, group)
+    shard_over = None
+    if parallel.shard_optimizer and parallel.dp_group is not None:
+        # Split experts differ between data-parallel ranks: only their replicas share them out.
+        split = set(expert_params(parallel.expert_sites)) if parallel.experts is not None else set()
+        dense = [p for p in params if p not in split]
+        shard_over = [(dense, parallel.dp_group)]
+        if split:
+            shard_over.append(([p for p in params if p in split], parallel.experts.replicas.get_group()))
+    optimizer = MasterAdamW(params, parallel.masters, lr, weight_decay, shard_over)
     parallel.masters.clear()  # the optimizer holds the masters of its partition; the rest are freed
     return optimizer
 

@@ -192,7 +192,7 @@ def resolve_dims(strategy: StrategyConfig, world: int) -> ParallelDims:
     return dataclasses.replace(dims, ep=strategy.ep)
 
 
-def expert_parallel_problem(dims: ParallelDims, zero1: bool, experts: list[int] | tuple[int, ...]) -> str | None:
+def expert_parallel_problem(dims: ParallelDims, experts: list[int] | tuple[int, ...]) -> str | None:
     """Why `dims.ep` can't split the experts (`experts`: each MoE layer's count) on `dims`; None when
     it can. The trainer's check (pipelines/validate.py) and the search's (training/planner/memory.py)."""
     ep = dims.ep
@@ -208,8 +208,5 @@ def expert_parallel_problem(dims: ParallelDims, zero1: bool, experts: list[int] 
                 "x cp): ep is carved out of them")
     if any(n % ep for n in experts):
         return f"must divide every layer's experts ({', '.join(map(str, sorted(set(experts))))})"
-    if zero1:
-        return ("zero1's sharded optimizer takes every data-parallel rank's parameters as equal, and split experts "
-                "are not: use ddp, zero2, zero3 or hybrid")
     return None
 

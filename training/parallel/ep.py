@@ -25,10 +25,10 @@ Megatron-Core's expert tensor-parallel size 1), and the ranks of a TP group, whi
 tokens, split them: TP rank t routes the t-th of tp parts of its tokens through its own expert
 group, and the parts are gathered back (Megatron-Core's alltoall dispatcher under TP). Each expert
 then computes a TP rank's tokens once instead of tp times, and its gradient sums over its replicas
-and the TP group (expert_groups). zero1's sharded optimizer is
-refused with ep up front (training/parallel/dims.py's
-`expert_parallel_problem`, pipelines/validate.py). Checkpoints need nothing of their own: the split
-experts are DTensors, which DCP saves under the whole model's names and reshards on load.
+and the TP group (expert_groups). zero1 shares out the experts' optimizer state over their
+replicas, the rest's over the data-parallel ranks (training/optim.py). Checkpoints need nothing of
+their own: the split experts are DTensors, which DCP saves under the whole model's names and
+reshards on load.
 """
 
 from __future__ import annotations

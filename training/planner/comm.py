@@ -300,7 +300,8 @@ def expert_traffic(shape: Shape, strategy: str, d: ParallelDims, micro_batch: in
     Under TP each TP rank routes its part of the tokens, and the parts are all-gathered (forward
     one, backward two). The experts' replicas (dp·cp / ep ranks, times tp) reduce-scatter and gather them under FSDP, once per MoE
     layer (their own unit), or all-reduce their gradients after backward under DDP (one call per
-    weight, two a layer: nothing left to hide behind).
+    weight, two a layer: nothing left to hide behind), and under zero1 broadcast each replica's
+    updated share after the step.
 
     Routing decides how much each all-to-all moves: a rank sends its own tokens' slots one way and
     the slots its experts were sent the other (dispatch and its gradient, combine and its), so in
@@ -332,4 +333,6 @@ def expert_traffic(shape: Shape, strategy: str, d: ParallelDims, micro_batch: in
         return dp_s, 0.0, a2a_s
     stored = dtype_bytes if precision in BF16_PARAMS else MASTER_BYTES
     reduce_s = call("all_reduce", stored * expert_psi, edp_group, 2 * moe_layers)
+    if strategies.get(strategy).shards_optimizer_only:  # each replica broadcasts the experts' share it updated
+        reduce_s += call("broadcast", stored * expert_psi, edp_group, edp_group.ranks)
     return reduce_s, reduce_s, a2a_s

@@ -139,7 +139,8 @@ def states_per_param(strategy: str, d: ParallelDims, precision: str, reshard: bo
       compute copy of every unit through backward (+ 2 or 4). `shards`: another N (split experts
       are sharded over their replicas).
     - otherwise, bf16: bf16 parameters and gradients, the optimizer's fp32 master and moments
-      (2 + 2 + 12), the 12 sharded over the data-parallel ranks by zero1 (the ZeRO paper's P_os);
+      (2 + 2 + 12), the 12 sharded over the data-parallel ranks by zero1 (the ZeRO paper's P_os;
+      split experts' over their `shards` replicas);
       fp16 runs autocast over fp32 parameters, whose fp16 weight copies live until backward
       (4 + 2, 4, 8); fp32: 4 + 4 + 8. DDP's gradients are views of its buckets: no second copy."""
     c = COMPUTE_BYTES[precision]
@@ -147,7 +148,7 @@ def states_per_param(strategy: str, d: ParallelDims, precision: str, reshard: bo
         n = shards or gradient_ranks(strategy, d)[1]  # dp_shard, x cp unless DDP's replicas
         gathered = c if keeps_gathered(strategy, reshard) else 0.0
         return MASTER_BYTES / n + gathered, MASTER_BYTES / n, MOMENT_BYTES / n
-    sharded = d.dp_size * d.cp if strategies.get(strategy).shards_optimizer_only else 1
+    sharded = (shards or d.dp_size * d.cp) if strategies.get(strategy).shards_optimizer_only else 1
     if precision in BF16_PARAMS:
         return c, c, (MASTER_BYTES + MOMENT_BYTES) / sharded
     autocast_copies = c if precision == "fp16" else 0
@@ -156,7 +157,7 @@ def states_per_param(strategy: str, d: ParallelDims, precision: str, reshard: bo
 
 def state_memory(shape: Shape, strategy: str, d: ParallelDims, precision: str, reshard: bool = True) -> Memory:
     """Parameters, gradients and optimizer state of one rank (states_per_param x its parameters);
-    under expert parallelism with FSDP the experts sharded over their replicas, the rest as usual."""
+    under expert parallelism with FSDP or zero1 the experts sharded over their replicas, the rest as usual."""
     dense, experts = stage_params(shape, d)
     p, g, o = states_per_param(strategy, d, precision, reshard)
     pe, ge, oe = (states_per_param(strategy, d, precision, reshard, expert_replicas(d)) if d.ep > 1

@@ -68,8 +68,8 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: ParallelDims, mem
     `flavour` (ddp, zero1, zero2 or zero3); None if the model can't be laid out so. `name` is the
     strategy it is reported as (default: the flavour). With a `calibration`, the step time is its
     refinement of the model's components."""
-    if not feasible(w.shape, d, w) or (d.ep > 1 and strategies.get(flavour).shards_optimizer_only):
-        return None  # zero1 with split experts: expert_parallel_problem's refusal
+    if not feasible(w.shape, d, w):
+        return None
     name = name or flavour
     devices = d.world_size
     comm = comm_time(w.shape, flavour, d, w.micro_batch, w.grad_accum, w.microbatches, w.precision, hw.link,

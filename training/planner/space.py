@@ -92,8 +92,7 @@ def layouts(world: int, shape: Shape, context_parallel: bool = False) -> Iterato
                     continue
                 for flavour, d in _data_parallel(world // tp // cp // pp, tp, cp, pp):
                     yield flavour, d
-                    if not strategies.get(flavour).shards_optimizer_only:  # zero1 can't hold split experts
-                        yield from ((flavour, split) for split in expert_layouts(shape, d))
+                    yield from ((flavour, split) for split in expert_layouts(shape, d))
 
 
 def expert_layouts(shape: Shape, d: ParallelDims) -> Iterator[ParallelDims]:
@@ -101,7 +100,7 @@ def expert_layouts(shape: Shape, d: ParallelDims) -> Iterator[ParallelDims]:
     dividing the data- and context-parallel ranks and every layer's experts."""
     for ep in divisors(d.dp_size * d.cp)[1:] if shape.experts else []:
         split = dataclasses.replace(d, ep=ep)
-        if expert_parallel_problem(split, False, shape.experts) is None:
+        if expert_parallel_problem(split, shape.experts) is None:
             yield split
 
 

@@ -107,7 +107,7 @@ def feasible(shape: Shape, d: ParallelDims, w: Workload) -> bool:
         return False
     if d.cp > 1 and shape.seq_len % (2 * d.cp):  # two load-balanced chunks per cp rank
         return False
-    return expert_parallel_problem(d, False, shape.experts) is None
+    return expert_parallel_problem(d, shape.experts) is None
 
 
 def pipeline_problem(w: Workload, d: ParallelDims) -> str | None:
