@@ -31,7 +31,13 @@ from training.planner.advice import (
     searched_variants,
     workload,
 )
-from training.planner.calibration import Calibration, MeasuredStep, fit_calibration, measured_imbalance
+from training.planner.calibration import (
+    Calibration,
+    MeasuredStep,
+    fit_calibration,
+    measured_held_imbalance,
+    measured_imbalance,
+)
 from training.planner.predict import Prediction
 from training.planner.ranking import Candidate, describe
 from training.planner.shape import Activations, Anatomy
@@ -217,7 +223,8 @@ def run(cfg: PlanInputs, *, bandwidth: BandwidthResult, lr_find: LrFindResult,
     costs = variant_costs(cfg, anatomy, measured)
     own = own_setting(cfg, costs)
     anatomy = dataclasses.replace(anatomy, activations=own.activations)
-    w = dataclasses.replace(workload(cfg, anatomy), expert_imbalance=measured_imbalance(history))
+    w = dataclasses.replace(workload(cfg, anatomy), expert_imbalance=measured_imbalance(history),
+                            expert_held_imbalance=measured_held_imbalance(history))
     hw = hardware(cfg, own.executed_flops_per_sample, rulers, bandwidth, micro)
     calibration = fit_calibration(history) if cfg.plan.calibrate else None
     if calibration is not None:

@@ -98,6 +98,10 @@ class TrainResult:
     busiest rank's routed slots over the mean rank's, had the experts been split over that many
     ranks (training/contract/experts.py's rank_imbalance). A later plan's prediction stretches the
     experts' compute by it (plan.calibrate)."""
+    expert_rank_held_imbalance: dict[str, float] = dataclasses.field(default_factory=dict)
+    """For the same degrees, the steps' mean of the busiest rank's slots summed over the layers over
+    the mean rank's (rank_held_imbalance): what a later plan's memory ruler stretches the busiest
+    rank's experts' activations by."""
     expert_first_step: int = 1
     """The first step the expert loads count: 2 under a pipeline, whose first step also runs torch's
     shape inference through the experts; later for a resumed run."""
@@ -146,6 +150,7 @@ class TrainResult:
             out += [("moe/imbalance", x, step) for step, x in enumerate(self.expert_imbalance, self.expert_first_step)]
             scalars["moe/imbalance_mean"] = statistics.fmean(self.expert_imbalance)
         scalars.update({f"moe/rank_imbalance_ep{ep}": x for ep, x in self.expert_rank_imbalance.items()})
+        scalars.update({f"moe/rank_held_imbalance_ep{ep}": x for ep, x in self.expert_rank_held_imbalance.items()})
         # One chart per layer: the expert's index on the step axis, its slots as the value.
         out += [(f"moe/load/{layer}", float(n), e) for layer, load in self.expert_load.items() for e, n in enumerate(load)]
         return out + [(k, v, 0) for k, v in scalars.items()]
@@ -156,7 +161,8 @@ class TrainResult:
         if self.prediction is None:
             return None
         return MeasuredStep(self.strategy, self.world_size, self.prediction.components, self.step_time_s,
-                            tuple((int(ep), x) for ep, x in self.expert_rank_imbalance.items()))
+                            tuple((int(ep), x) for ep, x in self.expert_rank_imbalance.items()),
+                            tuple((int(ep), x) for ep, x in self.expert_rank_held_imbalance.items()))
 
     def headline(self) -> str:
         mfu = f", MFU {self.mfu_pct:.1f} %" if self.mfu_pct is not None else ""
@@ -213,7 +219,7 @@ def result(r: Run, cfg: TrainInputs, plan: PlanResult, baseline: TrainResult | N
     """The run's result: throughput and efficiency against its baseline, memory, MFU, the plan's
     prediction held against it, and what the ranks reported."""
     from training.contract.calls import tokens_per_sample
-    from training.contract.experts import rank_imbalance, step_imbalance
+    from training.contract.experts import rank_held_imbalance, rank_imbalance, step_imbalance
     from training.data import first_samples
     from training.flops import peak_column, peak_flops
 
@@ -278,5 +284,6 @@ def result(r: Run, cfg: TrainInputs, plan: PlanResult, baseline: TrainResult | N
         expert_load={layer: [sum(e) for e in zip(*steps, strict=True)] for layer, steps in g.routed.items()},
         expert_imbalance=step_imbalance(g.routed),
         expert_rank_imbalance=rank_imbalance(g.routed),
+        expert_rank_held_imbalance=rank_held_imbalance(g.routed),
         expert_first_step=r.first + r.skipped + 1,
     )

@@ -11,7 +11,7 @@ import torch
 
 from training.config import ModelConfig
 from training.contract.calls import build_model, model_loss
-from training.contract.experts import rank_imbalance, step_imbalance
+from training.contract.experts import rank_held_imbalance, rank_imbalance, step_imbalance
 from training.contract.spec import model_spec
 from training.data import first_samples, markov
 from training.parallel.dims import ParallelDims
@@ -210,6 +210,13 @@ def test_the_imbalance_each_degree_would_see_is_measured_from_the_routed_slots()
     assert step_imbalance(counts) == [3.0, 1.0]
     assert step_imbalance(counts, 2) == [2.0, 1.0]
     assert rank_imbalance(counts) == {"2": 1.5, "4": 2.0}  # 3 does not divide 4
+    # What the ranks hold adds up over the layers: a second layer busiest where the first is idlest
+    # evens the ranks out (ep=2: 8 slots on each rank; ep=4: [6, 2, 2, 6], the busiest 6 over the
+    # mean 4), where in time each layer still waits for its own busiest rank.
+    two = {"layers.0": [[6, 2, 0, 0]], "layers.1": [[0, 0, 2, 6]]}
+    assert rank_held_imbalance(two) == {"2": 1.0, "4": 1.5}
+    assert rank_imbalance(two) == {"2": 2.0, "4": 3.0}
+    assert rank_held_imbalance(counts) == {"2": 1.5, "4": 2.0}  # one layer: the same, per step averaged
     step = StepPrediction(1.0, 0.0, 0.0)
     runs = [MeasuredStep("ddp", 2, step, 1.0, ((2, x),)) for x in (1.2, 1.5, 1.4)]
     assert measured_imbalance(runs) == ((2, 1.4),)
@@ -288,3 +295,10 @@ def test_the_experts_activations_are_counted_apart_and_split_over_tp_under_ep():
                  tokens_per_sample=32, activations=Activations(1000.0, tp_replicated=400.0, experts=300.0))
     assert activation_memory(w, ParallelDims(dp_shard=2, tp=2)) == pytest.approx(400.0 + 600.0 / 2)
     assert activation_memory(w, ParallelDims(dp_shard=2, tp=2, ep=2)) == pytest.approx(100.0 + 900.0 / 2)
+    # A measured imbalance of what the ranks hold (1.5 at ep=2): the busiest rank's experts keep
+    # half as much again, its TP rank's part of them (300 / 2 x 0.5); none at an ep not measured.
+    skewed = dataclasses.replace(w, expert_held_imbalance=((2, 1.5),))
+    assert activation_memory(skewed, ParallelDims(dp_shard=2, tp=2, ep=2)) == pytest.approx(100.0 + 900.0 / 2 + 75.0)
+    assert activation_memory(skewed, ParallelDims(dp_shard=4, ep=2)) == pytest.approx(1000.0 + 150.0)
+    assert activation_memory(skewed, ParallelDims(dp_shard=4, ep=4)) == pytest.approx(1000.0)
+    assert activation_memory(skewed, ParallelDims(dp_shard=4)) == pytest.approx(1000.0)

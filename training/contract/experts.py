@@ -157,18 +157,43 @@ def step_imbalance(counts: dict[str, list[list[int]]], ranks: int | None = None)
             for step in range(len(layers[0]))]
 
 
+def _degrees(counts: dict[str, list[list[int]]]) -> list[int]:
+    """The expert-parallel degrees > 1 that divide every layer's experts."""
+    experts = {len(steps[0]) for steps in counts.values() if steps}
+    return [ep for ep in range(2, min(experts, default=0) + 1) if all(n % ep == 0 for n in experts)]
+
+
 def rank_imbalance(counts: dict[str, list[list[int]]]) -> dict[str, float]:
     """For each expert-parallel degree > 1 that divides every layer's experts, the steps' mean of
     step_imbalance over that many ranks (keyed by the degree as text, as JSON keeps it): what the
     cost model stretches an expert-parallel step by. Routing does not depend on the layout, so a run
     of any layout measures every degree."""
-    if not counts:
-        return {}
-    experts = {len(steps[0]) for steps in counts.values() if steps}
-    degrees = [ep for ep in range(2, min(experts, default=0) + 1) if all(n % ep == 0 for n in experts)]
     out = {}
-    for ep in degrees:
+    for ep in _degrees(counts):
         per_step = step_imbalance(counts, ep)
+        if per_step:
+            out[str(ep)] = sum(per_step) / len(per_step)
+    return out
+
+
+def rank_held_imbalance(counts: dict[str, list[list[int]]]) -> dict[str, float]:
+    """For each degree rank_imbalance gives, the steps' mean of the busiest rank's slots summed over
+    the layers over the mean rank's: what the busiest rank's experts hold for backward against a
+    balanced rank's (the memory ruler's: a step's layers add up in memory, where in time each layer
+    waits for its own busiest rank). The mean, as rank_imbalance's: the worst step of a short run is
+    no statistic of a long one (it only grows with the steps), and it over-predicted the measured
+    peak (1.10 where the mean gives 0.99: tests/dist/test_memory_budget.py)."""
+    out = {}
+    layers = list(counts.values())
+    for ep in _degrees(counts):
+        per_step = []
+        for step in range(len(layers[0])):
+            ranks = [0] * ep
+            for layer in layers:
+                size = len(layer[step]) // ep
+                for r in range(ep):
+                    ranks[r] += sum(layer[step][r * size:(r + 1) * size])
+            per_step.append(load_imbalance(ranks))
         if per_step:
             out[str(ep)] = sum(per_step) / len(per_step)
     return out

@@ -148,9 +148,10 @@ def command_prefix(cfg: PlanInputs) -> str:
 
 def advise(cfg: PlanInputs, anatomy: Anatomy, costs: list[VariantCost], hw: Hardware, memory_limit: float,
            overlap: float, calibration: Calibration | None,
-           expert_imbalance: tuple[tuple[int, float], ...] = ()) -> tuple[Searched, Candidate, list[Variant]]:
-    """The search, and the run's own layout and knobs predicted the same way (`expert_imbalance`:
-    the routing imbalance earlier runs measured, Workload's field)."""
+           expert_imbalance: tuple[tuple[int, float], ...] = (),
+           expert_held_imbalance: tuple[tuple[int, float], ...] = ()) -> tuple[Searched, Candidate, list[Variant]]:
+    """The search, and the run's own layout and knobs predicted the same way (`expert_imbalance`,
+    `expert_held_imbalance`: the routing imbalance earlier runs measured, Workload's fields)."""
     world = cfg.nodes * cfg.procs_per_node
     own_cost = own_setting(cfg, costs)
     variants = [variant(cfg, c, own_cost, hw) for c in costs]
@@ -159,6 +160,7 @@ def advise(cfg: PlanInputs, anatomy: Anatomy, costs: list[VariantCost], hw: Hard
         global_batch=cfg.train.global_batch, replica_batch=cfg.train.micro_batch * cfg.train.grad_accum,
         variants=variants, strategies=tuple(cfg.plan.strategies) if cfg.plan.strategies else None,
         clip=cfg.train.grad_clip is not None, expert_imbalance=expert_imbalance,
+        expert_held_imbalance=expert_held_imbalance,
         context_parallel=search_cp(anatomy.shape, variants, memory_limit, min(hw.devices_per_node, world)),
     )
     searched = search(space, anatomy.shape, hw, anatomy.tokens_per_sample, anatomy.flops_per_sample,
@@ -181,7 +183,7 @@ def own_candidate(cfg: PlanInputs, anatomy: Anatomy, variants: list[Variant], hw
     own = own_setting(cfg, variants)
     w = strategy_workload(anatomy.shape, own.activations, cfg.strategy, micro, cfg.train.grad_accum,
                           anatomy.tokens_per_sample, cfg.train.grad_clip is not None, own.seconds_per_sample,
-                          space.expert_imbalance)
+                          space.expert_imbalance, space.expert_held_imbalance)
     name = cfg.strategy.name if cfg.strategy.name in strategies.pure() else strategy_name(flavour, d)
     p = predict_layout(w, hw, flavour, d, memory_limit, overlap, 1.0 / own.seconds_per_sample, calibration, name)
     if p is None:
@@ -243,7 +245,7 @@ def advise_plan(cfg: PlanInputs, anatomy: Anatomy, costs: list, hw: Hardware, w:
     world = cfg.nodes * cfg.procs_per_node
     limit = memory_limit(cfg, hw)
     searched, requested, variants = advise(cfg, anatomy, costs, hw, limit, overlap(cfg, hw), calibration,
-                                           w.expert_imbalance)
+                                           w.expert_imbalance, w.expert_held_imbalance)
     best = searched.ranked[0] if searched.ranked else None
     best = best if best is not None and best.fits else None
     reasons = [headline_reason(best, searched, limit, world)]

@@ -27,16 +27,28 @@ class MeasuredStep:
     measured_step_s: float
     expert_imbalance: tuple[tuple[int, float], ...] = ()
     """(ep, imbalance) the run measured (TrainResult.expert_rank_imbalance); () for a dense model."""
+    expert_held_imbalance: tuple[tuple[int, float], ...] = ()
+    """(ep, imbalance of what the busiest rank holds) the run measured (TrainResult.expert_rank_held_imbalance)."""
 
 
 def measured_imbalance(points: list[MeasuredStep]) -> tuple[tuple[int, float], ...]:
     """Per expert-parallel degree, the median imbalance earlier runs of the model measured
     (Workload.expert_imbalance); () when none did."""
+    return _per_degree([p.expert_imbalance for p in points], statistics.median)
+
+
+def measured_held_imbalance(points: list[MeasuredStep]) -> tuple[tuple[int, float], ...]:
+    """Per expert-parallel degree, the median of what earlier runs of the model measured of the
+    busiest rank's held slots (Workload.expert_held_imbalance); () when none did."""
+    return _per_degree([p.expert_held_imbalance for p in points], statistics.median)
+
+
+def _per_degree(measured: list[tuple[tuple[int, float], ...]], combine) -> tuple[tuple[int, float], ...]:
     seen: dict[int, list[float]] = {}
-    for point in points:
-        for ep, x in point.expert_imbalance:
+    for pairs in measured:
+        for ep, x in pairs:
             seen.setdefault(ep, []).append(x)
-    return tuple((ep, statistics.median(xs)) for ep, xs in sorted(seen.items()))
+    return tuple((ep, combine(xs)) for ep, xs in sorted(seen.items()))
 
 
 @dataclass(frozen=True)

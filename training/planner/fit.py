@@ -86,10 +86,13 @@ def blocks_that_fit(model: ModelConfig, data: DataConfig, seed: int, strategy: S
     return 0
 
 
-def rank_memory(c: Counted, strategy: StrategyConfig, flavour: str, world: int, micro_batch: int) -> Memory:
-    """One rank's memory at the peak of a step of `strategy` (trained as `flavour`) on `world`."""
+def rank_memory(c: Counted, strategy: StrategyConfig, flavour: str, world: int, micro_batch: int,
+                expert_held_imbalance: tuple[tuple[int, float], ...] = ()) -> Memory:
+    """One rank's memory at the peak of a step of `strategy` (trained as `flavour`) on `world`
+    (`expert_held_imbalance`: the routing a run measured, Workload's field)."""
     d = resolve_dims(strategy, world)
-    w = strategy_workload(c.shape, c.activations, strategy, micro_batch, grad_accum=1, tokens_per_sample=1, clip=False)
+    w = strategy_workload(c.shape, c.activations, strategy, micro_batch, grad_accum=1, tokens_per_sample=1, clip=False,
+                          expert_held_imbalance=expert_held_imbalance)
     return memory_breakdown(w, flavour, d)
 
 

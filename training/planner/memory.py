@@ -231,7 +231,8 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
     on the first stage, one on the last: planner/pipeline.in_flight), and the last stage also what
     is saved outside the blocks (the head, the loss) and the loss's temporaries, for the
     microbatches in flight there (GPipe m, zero bubble min(m, p), the others one); the higher of
-    the first and the last stage."""
+    the first and the last stage. Under expert parallelism the busiest rank's: its experts keep the
+    slots routed to them, the measured routing imbalance of what ranks hold times a balanced rank's."""
     held = stage_activations(w, d)
     return max(held.first, held.last)
 
@@ -261,6 +262,10 @@ def stage_activations(w: Workload, d: ParallelDims) -> StageActivations:
             kept = max(kept - a.head - a.loss_temp, 0.0)
             per_sample -= a.loss_temp
         per_sample = kept + (per_sample - kept) / d.tp + (w.loss_temps(d) if split > 1 else 0.0)
+    if d.ep > 1:
+        # The busiest expert-parallel rank's experts keep every slot routed to them: the measured
+        # imbalance of what ranks hold times a balanced rank's (its TP rank's part of them).
+        per_sample += a.experts / d.tp * (w.held_imbalance_at(d.ep) - 1.0)
     dtype = COMPUTE_BYTES[w.precision]
     kv = mask = 0.0
     if d.cp > 1:

@@ -94,7 +94,7 @@ class _Setting:
         micro, accum, schedule, virtual, m = point
         return self.variant.workload(self.shape, micro, accum, m, schedule, bucket, self.space.clip,
                                      self.tokens_per_sample, self.sequence_parallel, virtual,
-                                     self.space.expert_imbalance)
+                                     self.space.expert_imbalance, self.space.expert_held_imbalance)
 
     def memory(self, point: Point) -> float:
         return memory_per_device(self.workload(point, self.buckets[0]), self.flavour, self.d)

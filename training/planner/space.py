@@ -28,14 +28,15 @@ class Variant:
 
     def workload(self, shape: Shape, micro: int, accum: int, microbatches: int, schedule: str, bucket_mb: float,
                  clip: bool, tokens_per_sample: int, sequence_parallel: bool = False, virtual: int = 1,
-                 expert_imbalance: tuple[tuple[int, float], ...] = ()) -> Workload:
+                 expert_imbalance: tuple[tuple[int, float], ...] = (),
+                 expert_held_imbalance: tuple[tuple[int, float], ...] = ()) -> Workload:
         """This setting's Workload for one point of the space (the search's and the run's own)."""
         return Workload(shape=shape, micro_batch=micro, grad_accum=accum, microbatches=microbatches,
                         precision=self.precision, checkpointing=self.activation_checkpointing,
                         tokens_per_sample=tokens_per_sample, activations=self.activations,
                         bucket_cap_bytes=bucket_mb * 1024**2, seconds_per_sample=self.seconds_per_sample, clip=clip,
                         pp_schedule=schedule, sequence_parallel=sequence_parallel, pp_virtual_stages=virtual,
-                        expert_imbalance=expert_imbalance)
+                        expert_imbalance=expert_imbalance, expert_held_imbalance=expert_held_imbalance)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class Space:
     clip: bool = True
     expert_imbalance: tuple[tuple[int, float], ...] = ()
     """Routing imbalance measured per expert-parallel degree (Workload.expert_imbalance)."""
+    expert_held_imbalance: tuple[tuple[int, float], ...] = ()
+    """What the busiest rank holds, for memory (Workload.expert_held_imbalance)."""
     context_parallel: bool = False
     """Search cp > 1 (the model can be split over the sequence, and its activations are what fills
     a device: search_cp)."""

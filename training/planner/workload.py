@@ -53,8 +53,16 @@ class Workload:
     mean rank's, per step, averaged (stages/train.py's TrainResult.expert_rank_imbalance); an ep
     not in it is predicted balanced (1.0)."""
 
+    expert_held_imbalance: tuple[tuple[int, float], ...] = ()
+    """(ep, measured imbalance) pairs of what the ranks hold: the busiest rank's slots summed over the
+    layers over the mean rank's, per step, averaged (TrainResult.expert_rank_held_imbalance): the
+    memory ruler's; an ep not in it is predicted balanced."""
+
     def imbalance_at(self, ep: int) -> float:
         return dict(self.expert_imbalance).get(ep, 1.0) if ep > 1 else 1.0
+
+    def held_imbalance_at(self, ep: int) -> float:
+        return dict(self.expert_held_imbalance).get(ep, 1.0) if ep > 1 else 1.0
 
     def expert_straggler(self, d: ParallelDims) -> float:
         """How much longer the busiest expert-parallel rank computes than the mean: its experts'
@@ -85,7 +93,8 @@ class Workload:
 
 def strategy_workload(shape: Shape, activations: Activations, strategy: StrategyConfig, micro_batch: int,
                       grad_accum: int, tokens_per_sample: int, clip: bool, seconds_per_sample: float | None = None,
-                      expert_imbalance: tuple[tuple[int, float], ...] = ()) -> Workload:
+                      expert_imbalance: tuple[tuple[int, float], ...] = (),
+                      expert_held_imbalance: tuple[tuple[int, float], ...] = ()) -> Workload:
     """The Workload of a run of `strategy` (its precision, checkpointing, pipeline schedule,
     sequence parallelism and DDP buckets), built the one way for the plan's own run, the advice's
     requested layout and a fit (the search builds its points' from theirs: Variant.workload)."""
@@ -94,7 +103,8 @@ def strategy_workload(shape: Shape, activations: Activations, strategy: Strategy
                     tokens_per_sample=tokens_per_sample, activations=activations,
                     bucket_cap_bytes=strategy.bucket_cap_mb * 1024**2, seconds_per_sample=seconds_per_sample,
                     clip=clip, pp_schedule=strategy.pp_schedule, sequence_parallel=strategy.sequence_parallel,
-                    pp_virtual_stages=strategy.pp_virtual_stages, expert_imbalance=expert_imbalance)
+                    pp_virtual_stages=strategy.pp_virtual_stages, expert_imbalance=expert_imbalance,
+                    expert_held_imbalance=expert_held_imbalance)
 
 
 def feasible(shape: Shape, d: ParallelDims, w: Workload) -> bool:
