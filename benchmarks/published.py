@@ -317,9 +317,8 @@ OUT_OF_REACH = (
      "latent attention, the shared expert, the 3 dense first layers or multi-token prediction. Its layout is "
      "held as a what-if on 2,048 H100s (`model=gpt-moe-v3 nodes=256 train.global_batch=16384 strategy=zero1 "
      "strategy.pp=16 strategy.ep=64 strategy.pp_schedule=1f1b strategy.microbatches=128 strategy.precision=fp8 "
-     "strategy.activation_checkpointing=full`): 3.52 M tokens/s predicted (1.11 of the published 3.16 M), 57.1 "
-     "GiB per device, just over the 56 GiB budget (70 % of 80), 0.86 of the recommendation; docs/strategies.md "
-     "has the what-if in bf16"),
+     "strategy.activation_checkpointing=full`): 3.52 M tokens/s predicted (1.11 of the published 3.16 M), 26.5 "
+     "GiB per device, 0.84 of the recommendation; docs/strategies.md has the what-if in bf16"),
 )
 """Published mixture-of-experts runs that are not rows, and why (written under the table)."""
 

@@ -99,9 +99,9 @@ class TrainResult:
     ranks (training/contract/experts.py's rank_imbalance). A later plan's prediction stretches the
     experts' compute by it (plan.calibrate)."""
     expert_rank_held_imbalance: dict[str, float] = dataclasses.field(default_factory=dict)
-    """For the same degrees, the steps' mean of the busiest rank's slots summed over the layers over
-    the mean rank's (rank_held_imbalance): what a later plan's memory ruler stretches the busiest
-    rank's experts' activations by."""
+    """For the same degrees, the highest over the steps of the busiest rank's slots summed over the
+    layers over the mean rank's (rank_held_imbalance): what a later plan's memory ruler stretches
+    the busiest rank's experts' activations by."""
     expert_first_step: int = 1
     """The first step the expert loads count: 2 under a pipeline, whose first step also runs torch's
     shape inference through the experts; later for a resumed run."""

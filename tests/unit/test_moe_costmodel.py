@@ -216,7 +216,7 @@ def test_the_imbalance_each_degree_would_see_is_measured_from_the_routed_slots()
     two = {"layers.0": [[6, 2, 0, 0]], "layers.1": [[0, 0, 2, 6]]}
     assert rank_held_imbalance(two) == {"2": 1.0, "4": 1.5}
     assert rank_imbalance(two) == {"2": 2.0, "4": 3.0}
-    assert rank_held_imbalance(counts) == {"2": 1.5, "4": 2.0}  # one layer: the same, per step averaged
+    assert rank_held_imbalance(counts) == {"2": 2.0, "4": 3.0}  # one layer: the worst step's
     step = StepPrediction(1.0, 0.0, 0.0)
     runs = [MeasuredStep("ddp", 2, step, 1.0, ((2, x),)) for x in (1.2, 1.5, 1.4)]
     assert measured_imbalance(runs) == ((2, 1.4),)

@@ -177,12 +177,11 @@ def rank_imbalance(counts: dict[str, list[list[int]]]) -> dict[str, float]:
 
 
 def rank_held_imbalance(counts: dict[str, list[list[int]]]) -> dict[str, float]:
-    """For each degree rank_imbalance gives, the steps' mean of the busiest rank's slots summed over
-    the layers over the mean rank's: what the busiest rank's experts hold for backward against a
-    balanced rank's (the memory ruler's: a step's layers add up in memory, where in time each layer
-    waits for its own busiest rank). The mean, as rank_imbalance's: the worst step of a short run is
-    no statistic of a long one (it only grows with the steps), and it over-predicted the measured
-    peak (1.10 where the mean gives 0.99: tests/dist/test_memory_budget.py)."""
+    """For each degree rank_imbalance gives, the highest over the steps of the busiest rank's slots
+    summed over the layers over the mean rank's: what the busiest rank's experts hold for backward
+    against a balanced rank's at the worst step, where a run's memory peaks (the memory ruler's: a
+    step's layers add up in memory, where in time each layer waits for its own busiest rank). A
+    longer run may meet a worse step: the figure grows with the steps measured."""
     out = {}
     layers = list(counts.values())
     for ep in _degrees(counts):
@@ -195,5 +194,5 @@ def rank_held_imbalance(counts: dict[str, list[list[int]]]) -> dict[str, float]:
                     ranks[r] += sum(layer[step][r * size:(r + 1) * size])
             per_step.append(load_imbalance(ranks))
         if per_step:
-            out[str(ep)] = sum(per_step) / len(per_step)
+            out[str(ep)] = max(per_step)
     return out

@@ -38,9 +38,10 @@ def measured_imbalance(points: list[MeasuredStep]) -> tuple[tuple[int, float], .
 
 
 def measured_held_imbalance(points: list[MeasuredStep]) -> tuple[tuple[int, float], ...]:
-    """Per expert-parallel degree, the median of what earlier runs of the model measured of the
-    busiest rank's held slots (Workload.expert_held_imbalance); () when none did."""
-    return _per_degree([p.expert_held_imbalance for p in points], statistics.median)
+    """Per expert-parallel degree, the highest of what earlier runs of the model measured of the
+    busiest rank's held slots (Workload.expert_held_imbalance: memory must hold the worst step);
+    () when none did."""
+    return _per_degree([p.expert_held_imbalance for p in points], max)
 
 
 def _per_degree(measured: list[tuple[tuple[int, float], ...]], combine) -> tuple[tuple[int, float], ...]:

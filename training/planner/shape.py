@@ -114,7 +114,8 @@ class Activations:
     step's activations. One block's, however many blocks."""
     block_backward_fixed: float = 0.0
     """Not per sample: what one block's backward holds whatever the batch (a weight-sized scratch,
-    e.g. an expert's gradient made whole before it is added)."""
+    e.g. an expert's gradient made whole before it is added: the memory ruler divides a mixture of
+    experts' by ep, a rank's experts being E/ep)."""
 
     def extended(self, two: Activations, layers: int) -> Activations:
         """These (at one layer) and `two` (the same model at two) at `layers` alike layers; one
@@ -123,10 +124,6 @@ class Activations:
                               for one, at_two in zip(dataclasses.astuple(self), dataclasses.astuple(two), strict=True)))
         return dataclasses.replace(grown, block_backward=max(self.block_backward, two.block_backward),
                                    block_backward_fixed=max(self.block_backward_fixed, two.block_backward_fixed))
-
-    def block_backward_bytes(self, samples: float) -> float:
-        """What one block's backward holds beside the step's activations, for `samples` samples."""
-        return self.block_backward * samples + self.block_backward_fixed
 
 
 def extended(one: float, two: float, layers: int) -> float:

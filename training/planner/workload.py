@@ -55,7 +55,7 @@ class Workload:
 
     expert_held_imbalance: tuple[tuple[int, float], ...] = ()
     """(ep, measured imbalance) pairs of what the ranks hold: the busiest rank's slots summed over the
-    layers over the mean rank's, per step, averaged (TrainResult.expert_rank_held_imbalance): the
+    layers over the mean rank's at the worst step (TrainResult.expert_rank_held_imbalance): the
     memory ruler's; an ep not in it is predicted balanced."""
 
     def imbalance_at(self, ep: int) -> float:
