@@ -148,13 +148,15 @@ def step_imbalance(counts: dict[str, list[list[int]]], ranks: int | None = None)
     if not counts:
         return []
     layers = list(counts.values())
-
-    def grouped(load: list[int]) -> list[int]:
-        size = len(load) // ranks if ranks else 1
-        return [sum(load[i:i + size]) for i in range(0, len(load), size)]
-
-    return [sum(load_imbalance(grouped(layer[step])) for layer in layers) / len(layers)
+    return [sum(load_imbalance(_by_rank(layer[step], ranks)) for layer in layers) / len(layers)
             for step in range(len(layers[0]))]
+
+
+def _by_rank(load: list[int], ranks: int | None) -> list[int]:
+    """A layer's slots per expert summed over `ranks` contiguous groups of experts (ep's placement);
+    None: per expert."""
+    size = len(load) // ranks if ranks else 1
+    return [sum(load[i:i + size]) for i in range(0, len(load), size)]
 
 
 def _degrees(counts: dict[str, list[list[int]]]) -> list[int]:
@@ -185,14 +187,9 @@ def rank_held_imbalance(counts: dict[str, list[list[int]]]) -> dict[str, float]:
     out = {}
     layers = list(counts.values())
     for ep in _degrees(counts):
-        per_step = []
-        for step in range(len(layers[0])):
-            ranks = [0] * ep
-            for layer in layers:
-                size = len(layer[step]) // ep
-                for r in range(ep):
-                    ranks[r] += sum(layer[step][r * size:(r + 1) * size])
-            per_step.append(load_imbalance(ranks))
+        per_step = [load_imbalance([sum(held) for held in zip(*(_by_rank(layer[step], ep) for layer in layers),
+                                                               strict=True)])
+                    for step in range(len(layers[0]))]
         if per_step:
             out[str(ep)] = max(per_step)
     return out

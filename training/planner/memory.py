@@ -317,7 +317,7 @@ def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:
     # experts this rank holds (measured at world 2 and 4 with ep=2: ddp 1.00 -> 0.98 and 1.075 ->
     # 1.05, zero1 1.10 -> 1.06).
     a = w.activations
-    backward = a.block_backward * samples * held.share + a.block_backward_fixed / (d.ep if w.shape.expert_params else 1)
+    backward = a.block_backward * samples * held.share + a.block_backward_fixed / d.ep  # ep > 1 only with experts
     return dataclasses.replace(layout, activation_bytes=max(held.first, held.last), loss_temp_bytes=temps,
                                working_bytes=layout.working_bytes + backward,
                                grads_in_backward=layout.grads_in_backward if early is None else early)
