@@ -28,10 +28,14 @@ TARGET_KEY = "_target_"
 SP_STYLE = "sequence_parallel"
 """Hugging Face's style for a module that runs sharded over the sequence under sequence parallelism
 (a norm: its parameters replicated, its input and output split by position)."""
-TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", SP_STYLE)
+REPLICATED_STYLE = "replicated_with_grad_allreduce"
+"""Hugging Face's style for a module inside a split region whose parameters stay whole (Qwen3's
+per-head q/k norms, which see only this rank's heads): its gradients are summed over the TP ranks."""
+TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", SP_STYLE, REPLICATED_STYLE)
 """Tensor-parallel styles in Hugging Face's words: split a linear by output columns or input rows;
 `_rep` replicates the output of a column split (or expects a replicated input to a row split);
-`sequence_parallel` names a norm that strategy.sequence_parallel runs split by sequence."""
+`sequence_parallel` names a norm that strategy.sequence_parallel runs split by sequence;
+`replicated_with_grad_allreduce` a module between a column and a row split that is not split."""
 EP_EXPERTS, EP_WEIGHTS, EP_ROUTER = "ep_dispatch_experts", "grouped_gemm", "ep_router"
 EP_ROLES = (EP_EXPERTS, EP_WEIGHTS, EP_ROUTER)
 """Expert-parallel roles in Hugging Face's words (`base_model_ep_plan`): the experts module, each of
@@ -80,7 +84,8 @@ class ModelConfig(TargetConfig):
     classes, else the longest list of same-class children."""
     tp_plan: dict[str, str] | None = None
     """Tensor-parallel plan: module-name pattern (`*` matches one name) -> colwise, rowwise,
-    colwise_rep, rowwise_rep, or sequence_parallel for a norm (strategy.sequence_parallel). null takes
+    colwise_rep, rowwise_rep, sequence_parallel for a norm (strategy.sequence_parallel), or
+    replicated_with_grad_allreduce for a module inside a split region that stays whole. null takes
     the model's own (`config.base_model_tp_plan`, `_tp_plan`)."""
     sp_plan: dict[str, str] | None = None
     """Sequence-parallel entries added to whichever tensor-parallel plan applies: module-name pattern

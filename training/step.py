@@ -25,8 +25,8 @@ def optimizer_step(parallel: Parallel, optimizer: torch.optim.Optimizer, micro_b
         last = micro == accum - 1
         with contextlib.nullcontext() if last else parallel.no_sync():
             loss += parallel.forward_backward(to_device(batch, dev), 1.0 / accum)
-    if parallel.after_backward is not None:
-        parallel.after_backward()
+    for finish in parallel.after_backward:
+        finish()
     if parallel.scaler is not None:
         parallel.scaler.unscale_(optimizer)
     if grad_clip is not None:

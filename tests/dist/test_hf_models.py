@@ -20,13 +20,14 @@ pytestmark = pytest.mark.slow
 _RUNS: dict = {}
 
 
-def run(compose_cfg, preset: str, strategy: str, world: int, ep: int = 1):
-    key = (preset, strategy, world, ep)
+def run(compose_cfg, preset: str, strategy: str, world: int, ep: int = 1, tp: int = 1):
+    key = (preset, strategy, world, ep, tp)
     if key not in _RUNS:
         cfg = compose_cfg(f"model={preset}", "data.num_samples=256", "data.seq_len=16", "tracking=none")
         train = TrainConfig(steps=6, global_batch=8, lr=1e-2, log_every=3, timing_warmup=2, warmup_steps=2,
                             schedule="constant", grad_clip=0.5)
-        inputs = TrainInputs(train, cfg.model, cfg.data, StrategyConfig(name=strategy, ep=ep), seed=0)
+        degrees = dict(dp_replicate=1, dp_shard=world // tp, tp=tp) if strategy == "hybrid" else {}
+        inputs = TrainInputs(train, cfg.model, cfg.data, StrategyConfig(name=strategy, ep=ep, **degrees), seed=0)
         _RUNS[key] = run_world("tests.dist.workers:train_any", (inputs, tempfile.mkdtemp()), world=world, timeout_s=120)
     return _RUNS[key]
 
@@ -45,10 +46,13 @@ def test_a_hugging_face_model_at_world_2_matches_one_process(compose_cfg, preset
 
 
 @pytest.mark.parametrize("preset", ["hf-mixtral", "hf-qwen3-moe"])
-@pytest.mark.parametrize("strategy", ["ddp", "zero3", "pp"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "pp", "tp"])
 def test_a_hugging_face_mixture_of_experts_at_world_2_matches_one_process(compose_cfg, preset, strategy):
     """Mixtral's and Qwen3-MoE's own layers (their experts run through transformers' grouped
-    implementation), replicated, sharded or split by their base_model_pp_plan like any weight."""
+    implementation), replicated, sharded or split by their base_model_pp_plan like any weight, or
+    their attention split by their base_model_tp_plan: Qwen3-MoE's names its per-head q/k norms
+    `replicated_with_grad_allreduce`, kept whole with their gradients summed over the TP ranks (a
+    norm's gradient from half the heads would put the ranks out of sync: ranks_in_sync)."""
     one = run(compose_cfg, preset, "ddp", 1)
     two = run(compose_cfg, preset, strategy, 2)
     assert two.world_size == 2 and two.ranks_in_sync
@@ -77,6 +81,18 @@ def test_a_hugging_face_mixture_of_experts_split_over_ranks_matches_one_process(
     assert split.expert_load == one.expert_load
     assert len(split.expert_load) == 2, "both layers' experts modules counted"
     assert split.param_bytes < one.param_bytes, "each rank holds half of the experts"
+
+
+@pytest.mark.parametrize("preset", ["hf-mixtral", "hf-qwen3-moe"])
+def test_a_hugging_face_mixture_of_experts_with_ep_beside_tp_matches_one_process(compose_cfg, preset):
+    """World 4, FSDP over 2 x TP 2 with strategy.ep=2: attention split by the family's own TP plan
+    (Qwen3-MoE's q/k norms kept whole, their gradients summed), each TP rank routing its half of the
+    tokens through its expert group, the experts' replicas the other FSDP rank and the TP partner."""
+    one = run(compose_cfg, preset, "ddp", 1)
+    split = run(compose_cfg, preset, "hybrid", 4, ep=2, tp=2)
+    assert split.ep == 2 and split.world_size == 4 and split.ranks_in_sync
+    assert split.losses == pytest.approx(one.losses, **TOL)
+    assert split.expert_load == one.expert_load
 
 
 def pretrained_llama(compose_cfg, directory) -> tuple[object, float]:

@@ -243,3 +243,19 @@ def test_the_meta_count_is_what_a_real_forward_and_backward_executes():
         counts[name] = flops.total
     assert routed.take().tolist() != [seq * 2 // E] * E, "routing is uneven"
     assert counts["real"] == counts["meta"]
+
+
+def test_a_hugging_face_config_takes_the_fields_its_model_reads_and_refuses_a_misspelt_one():
+    """Qwen3-MoE's config class declares no `head_dim`, which its attention reads (getattr(config,
+    "head_dim", hidden // heads)) and Qwen3-235B's config sets to 128 against 4096 / 64: taken. A
+    field neither declared nor read is a typo: refused."""
+    from training.models.hf import causal_lm
+
+    small = dict(model_class="transformers.Qwen3MoeForCausalLM", config_class="transformers.Qwen3MoeConfig",
+                 vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    with torch.device("meta"):
+        model = causal_lm(**small, head_dim=16)
+        assert model.model.layers[0].self_attn.q_proj.out_features == 4 * 16, "not 32 / 4"
+        with pytest.raises(TypeError, match="Qwen3MoeConfig has no field 'hidden_sise'"):
+            causal_lm(**small, hidden_sise=32)

@@ -8,9 +8,9 @@ import torch
 
 from common.errors import ConfigError, ContractError
 from training.activations import measure_tp_split
-from training.config import ModelConfig
+from training.config import ModelConfig, StrategyConfig
 from training.contract.calls import batch_loss, build_model, model_loss
-from training.contract.spec import model_spec
+from training.contract.spec import model_spec, tp_divisors
 from training.parallel.ac import apply_ac
 from training.planner.anatomy import measure_variant
 
@@ -90,3 +90,113 @@ def test_an_sp_plan_entry_must_be_sequence_parallel_and_match_a_module():
     model = build_model(cfg, 0)
     with pytest.raises(ContractError, match=r"\['layers.\*.nrom'\] matches no module of GPT"):
         model_spec(model, cfg).sp_norms(model)
+
+
+def test_a_module_kept_whole_in_a_split_region_and_a_familys_unused_entries(compose_cfg):
+    """Qwen3-MoE's own plan: its per-head q/k norms are `replicated_with_grad_allreduce` (not split:
+    no width for the TP degree to divide, no split parameters), and its dense-MLP entries, which a
+    config whose every layer is a mixture of experts doesn't build, split nothing. A user's plan is
+    checked whole: a typo in model.tp_plan is an error, as is the style on a module with no weights."""
+    from training.planner.anatomy import shape_of
+
+    cfg = compose_cfg("model=hf-qwen3-moe", "tracking=none").model
+    model = build_model(cfg, 0)
+    spec = model_spec(model, cfg)
+    plan = spec.tp_plan(model)
+    assert plan["model.layers.0.self_attn.q_norm"] == "replicated_with_grad_allreduce"
+    assert not any("mlp.gate_proj" in name for name in plan)
+    assert {plan[n] for n in plan if n.startswith("model.layers.1.self_attn.")} == {
+        "colwise", "rowwise", "replicated_with_grad_allreduce"}
+    shape = shape_of(model, spec, 64, 16)
+    norms = [model.get_submodule(n) for n in plan if n.endswith(("q_norm", "k_norm"))]
+    assert len(norms) == 4 and shape.tp_whole_params == sum(p.numel() for m in norms for p in m.parameters()) == 4 * 16
+    assert shape.sequence_norm_params == (2 * 2 + 1) * 64, "two norms a layer and the final one, 64 wide"
+    attention = sum(p.numel() for n in plan if n.endswith("_proj") for p in model.get_submodule(n).parameters())
+    assert shape.block_linear_params == attention
+    assert not any("norm" in key for key in tp_divisors(model, plan))
+
+    typo = ModelConfig(name="gpt", kwargs=GPT.kwargs, tp_plan={"layers.*.attention.wq": "colwise",
+                                                               "layers.*.attention.wqq": "rowwise"})
+    gpt = build_model(typo, 0)
+    with pytest.raises(ContractError, match=r"model.tp_plan\['layers.\*.attention.wqq'\] matches no module of GPT"):
+        model_spec(gpt, typo).tp_plan(gpt)
+    weightless = ModelConfig(name="gpt", kwargs=GPT.kwargs, tp_plan={"layers.*.attention.wq": "colwise",
+                                                                     "layers.*.dropout": "replicated_with_grad_allreduce"})
+    with pytest.raises(ContractError, match=r"which has no parameters to keep whole"):
+        model_spec(gpt, weightless).tp_plan(gpt)
+
+
+def _step_all_reduces(model_cfg: ModelConfig, strategy: StrategyConfig) -> tuple[int, int]:
+    """All-reduces of one whole optimizer step (forward, backward, the gradients' sums, the clip,
+    AdamW) at tp=2 on a fake process group, rank 0: (in forward and backward, after them)."""
+    from unittest import mock
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tests.unit.test_loss_parallel import _counting_collectives
+    from training.contract.calls import model_loss
+    from training.parallel.compose import build_optimizer, parallelize
+    from training.step import optimizer_step
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        model = build_model(model_cfg, 0)
+        parallel = parallelize(model, model_spec(model, model_cfg), strategy, torch.device("cpu"), model_loss(model_cfg))
+        optimizer = build_optimizer(parallel, 1e-3, 0.0)
+        tokens = torch.zeros(2, 16, dtype=torch.long)
+        plain = dist.all_reduce
+        calls = [0]
+
+        def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls[0] += 1
+            return plain(*args, **kwargs)
+
+        forward_backward = parallel.forward_backward
+        with _counting_collectives() as counts, mock.patch.object(dist, "all_reduce", counted):
+            def counting_forward_backward(*args):  # noqa: ANN002, ANN202
+                out = forward_backward(*args)
+                inside.append(counts["all_reduce"] + calls[0])
+                return out
+
+            inside: list[int] = []
+            parallel.forward_backward = counting_forward_backward
+            optimizer_step(parallel, optimizer, [(tokens, tokens)], 1, 1.0, torch.device("cpu"))
+        return inside[0], counts["all_reduce"] + calls[0] - inside[0]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_the_trainers_gradient_sums_of_whole_modules_are_the_cost_models(compose_cfg, sequence_parallel):
+    """Qwen3-MoE at tp=2, one optimizer step on a fake process group: parameters kept whole beside
+    split activations (its q/k norms, and under sequence parallelism its norms) get partial
+    gradients, summed over the TP ranks in one all-reduce after backward (the same plan without the
+    q/k norms: none without sequence parallelism), and nothing after it reduces them again: the
+    clip's one all-reduce of its norm and no more (DTensor would sum a partial gradient in every
+    operation that reads it: 37 all-reduces for these 9 parameters). The cost model counts the same
+    from the shape."""
+    import dataclasses
+
+    from tests.unit.test_loss_parallel import _link
+    from training.parallel.dims import ParallelDims
+    from training.planner.anatomy import shape_of
+    from training.planner.comm import comm_time
+
+    cfg = compose_cfg("model=hf-qwen3-moe", "tracking=none").model
+    model = build_model(cfg, 0)
+    own = {f"model.{k}": v for k, v in model.config.base_model_tp_plan.items()}
+    without = dataclasses.replace(cfg, tp_plan={k: v for k, v in own.items() if not k.endswith("_norm") and ".mlp." not in k})
+    strategy = StrategyConfig(name="tp", sequence_parallel=sequence_parallel)
+    shape = shape_of(model, model_spec(model, cfg), 64, 16)
+
+    def calls(whole: int, norms: int = shape.sequence_norm_params) -> int:
+        return comm_time(dataclasses.replace(shape, tp_whole_params=whole, sequence_norm_params=norms), "ddp",
+                         ParallelDims(tp=2), 2, 1, 1, "fp32", _link, sequence_parallel=sequence_parallel).calls
+
+    (inside, after), (inside_without, after_without) = _step_all_reduces(cfg, strategy), _step_all_reduces(without, strategy)
+    assert inside == inside_without, "the q/k norms' gradients are not summed in backward"
+    assert after == 1 + 1, "one sum of the partial gradients, one of the clip's norm"
+    assert after_without == 1 + sequence_parallel
+    assert after - after_without == calls(shape.tp_whole_params) - calls(0) == 1 - sequence_parallel
+    assert calls(shape.tp_whole_params) - calls(0, 0) == 1, "one sum a step, whatever needs it"

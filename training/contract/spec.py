@@ -9,7 +9,8 @@ The parallel code (training/parallel/) reads these and names no module of any mo
   `rowwise_rep`, from `model.tp_plan`, else the model's own `config.base_model_tp_plan` (relative
   to its base model, Hugging Face) or `_tp_plan`. Entries styled `sequence_parallel` (Hugging
   Face's word) name the norms sequence parallelism splits by position; `model.sp_plan` adds such
-  entries to a plan that lacks them.
+  entries to a plan that lacks them. Entries styled `replicated_with_grad_allreduce` name a module
+  inside a split region that stays whole (Qwen3's per-head q/k norms), its gradients summed.
 - **pipeline layout** (torchtitan's contract): blocks in an `nn.ModuleDict` (names stay stable when
   a stage deletes the others), `pp_first`/`pp_last` naming what only the first and last stage keep,
   and a forward that skips whatever is None. Else Hugging Face's: `config.base_model_pp_plan` names
@@ -43,7 +44,15 @@ from dataclasses import dataclass
 from torch import nn
 
 from common.errors import ContractError
-from training.config import EP_EXPERTS, EP_ROLES, EP_WEIGHTS, SP_STYLE, TP_STYLES, ModelConfig
+from training.config import (
+    EP_EXPERTS,
+    EP_ROLES,
+    EP_WEIGHTS,
+    REPLICATED_STYLE,
+    SP_STYLE,
+    TP_STYLES,
+    ModelConfig,
+)
 from training.contract.blocks import Block, PipelineLayout, Skipped, _submodule, find_blocks, pipeline_layout
 
 HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads", "n_heads", "num_heads", "n_head")
@@ -132,10 +141,15 @@ def _pattern(glob: str) -> re.Pattern[str]:
 
 
 def resolve_plan(model: nn.Module, plan: dict[str, str], source: str) -> dict[str, str]:
-    """The plan's linear entries expanded to the module names they match, checked: every style is
-    one we apply and every pattern matches a linear layer (`sequence_parallel` entries: sp_norms)."""
+    """The plan's entries expanded to the module names they match, checked: every style is one we
+    apply and every pattern matches a linear layer, or, styled `replicated_with_grad_allreduce`, a
+    module with parameters (`sequence_parallel` entries: sp_norms)."""
     # A pipeline stage's placeholders (Skipped) stand for parts it doesn't hold: nothing to split.
     names = {name: module for name, module in model.named_modules() if not isinstance(module, Skipped)}
+    # A family's own plan covers every kind of layer the family builds, and a config may build only
+    # some (Qwen3-MoE's dense `mlp.gate_proj` where every layer is a mixture of experts): as in
+    # transformers, its patterns that match nothing split nothing. A user's plan is checked whole.
+    declared_by_user = source.startswith("model.")
     resolved: dict[str, str] = {}
     for pattern, style in plan.items():
         if style == SP_STYLE:
@@ -144,10 +158,14 @@ def resolve_plan(model: nn.Module, plan: dict[str, str], source: str) -> dict[st
             raise ContractError(f"{source}[{pattern!r}]={style!r}: supported styles are {', '.join(TP_STYLES)}; "
                                 "give a plan of those in model.tp_plan")
         matched = [n for n in names if _pattern(pattern).match(n)]
-        if not matched:
+        if not matched and declared_by_user:
             raise ContractError(f"{source}[{pattern!r}] matches no module of {type(model).__name__}")
         for name in matched:
-            if not isinstance(names[name], nn.Linear):
+            if style == REPLICATED_STYLE:
+                if next(names[name].parameters(), None) is None:
+                    raise ContractError(f"{source}[{pattern!r}] matches {name}, which has no parameters to "
+                                        f"keep whole: {REPLICATED_STYLE} names a module with parameters")
+            elif not isinstance(names[name], nn.Linear):
                 raise ContractError(f"{source}[{pattern!r}] matches {name}, a {type(names[name]).__name__}; "
                                     "tensor parallelism splits nn.Linear layers")
             resolved[name] = style
@@ -171,6 +189,8 @@ def tp_divisors(model: nn.Module, resolved: dict[str, str]) -> dict[str, int]:
     out: dict[str, int] = {}
     for name, style in resolved.items():
         linear = model.get_submodule(name)
+        if style == REPLICATED_STYLE:
+            continue  # not split
         if style.startswith("colwise"):
             out[f"{name}.out_features"] = linear.out_features
         else:

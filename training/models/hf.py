@@ -11,6 +11,8 @@ returns `.loss` when given labels, and its logits otherwise.
 from __future__ import annotations
 
 import importlib
+import inspect
+import re
 from typing import Any
 
 from torch import nn
@@ -21,6 +23,12 @@ def _class(path: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
+def _read_by(model_type: type) -> set[str]:
+    """The config fields the model's module reads: `config.<name>` and getattr(config, "<name>"...)."""
+    source = inspect.getsource(inspect.getmodule(model_type))
+    return set(re.findall(r"\bconfig\.(\w+)", source)) | set(re.findall(r"getattr\(\s*config\s*,\s*[\"'](\w+)", source))
+
+
 def causal_lm(model_class: str, config_class: str, pretrained: str | None = None, **config: Any) -> nn.Module:
     """`model_class(config_class(**config))`; with `pretrained` (a local directory holding
     config.json and safetensors weights), the architecture of its config (`**config` overriding
@@ -28,8 +36,10 @@ def causal_lm(model_class: str, config_class: str, pretrained: str | None = None
     (training/parallel/materialize.py): nobody loads the whole checkpoint."""
     model_type, config_type = _class(model_class), _class(config_class)
     # Config classes take any keyword silently; a misspelt field would be a model that ignores it.
+    # A field is one the config class declares or one the modeling code reads that it does not
+    # (Qwen3-MoE's `head_dim`: getattr(config, "head_dim", hidden // heads)).
     known = set(config_type().to_dict())
-    unknown = sorted(set(config) - known)
+    unknown = sorted(set(config) - known - _read_by(model_type))
     if unknown:
         raise TypeError(f"{config_type.__name__} has no field {unknown[0]!r}")
     if pretrained is not None:

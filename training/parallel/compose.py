@@ -44,7 +44,7 @@ from training.parallel.materialize import materialize
 from training.parallel.pp import apply_pp, build_schedule, is_first, is_last
 from training.parallel.precision import apply_low_precision
 from training.parallel.schedules import checkpointing_problem, data_parallel_problem
-from training.parallel.tp import apply_tp, sequence_layout, split_loss
+from training.parallel.tp import apply_tp, sequence_layout, split_loss, sum_partial_grads
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -76,9 +76,10 @@ class Parallel:
     """This rank's context parallelism (cp > 1): its split of the sequence, its K/V traffic."""
     experts: ExpertGroups | None = None
     """Expert parallelism (strategy.ep > 1): the ranks splitting the experts and their replicas."""
-    after_backward: Callable[[], None] | None = None
-    """Run after a step's last backward: the reduction of gradients no wrapper reduces (experts
-    split over ranks under DDP, reduced over their replicas alone)."""
+    after_backward: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    """Run after a step's last backward, in order: the reductions of gradients no wrapper reduces
+    (experts split over ranks under DDP, reduced over their replicas alone; the TP ranks' partial
+    gradients without FSDP) and the experts' rescaling under FSDP."""
     expert_sites: list[ExpertSite] = dataclasses.field(default_factory=list)
     """The experts modules this rank holds (the model's expert plan): their loads are counted."""
 
@@ -175,19 +176,21 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
     if dtype is torch.bfloat16 and not use.fsdp:
         # FSDP's numerics without FSDP: bf16 parameters, the fp32 ones kept as the optimizer's masters.
         masters = {new: old for part in parts(model) for new, old in apply_low_precision(part, dtype).items()}
-    after_backward = None
+    after_backward: list[Callable[[], None]] = []
     if use.fsdp and experts is not None:
-        after_backward = rescale_expert_grads(expert_params(all_sites), experts)
+        after_backward.append(rescale_expert_grads(expert_params(all_sites), experts))
     if use.ddp:
         dp_group = ddp_mesh(mesh, dims).get_group() if mesh is not None else None
         if experts is not None:  # DDP leaves the split experts alone: their replicas reduce them
             for part, part_sites in zip(parts(model), sites, strict=True):
                 own = set(expert_params(part_sites))
                 part._ddp_params_and_buffers_to_ignore = [n for n, p in part.named_parameters() if p in own]
-            after_backward = reduce_expert_grads(expert_params(all_sites), experts)
+            after_backward.append(reduce_expert_grads(expert_params(all_sites), experts))
         if not layout_only:
             model = each(model, lambda m: apply_ddp(m, dev, strategy.bucket_cap_mb, strategy.find_unused_parameters
                                                     or dims.pp_enabled, process_group=dp_group, force=probe))
+    if use.tp and not use.fsdp:  # FSDP sums the TP ranks' partial gradients in its own reduction
+        after_backward.append(sum_partial_grads([p for part in parts(model) for p in part.parameters()], mesh["tp"]))
     # fp16 without FSDP stays on autocast over fp32 parameters: its GradScaler needs fp32 gradients.
     autocast = dtype is torch.float16 and not use.fsdp
     scaler = _scaler(strategy, use.fsdp)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from common.errors import ContractError
-from training.config import ModelConfig
+from training.config import REPLICATED_STYLE, ModelConfig
 from training.contract.calls import (
     Batch,
     LossFn,
@@ -147,7 +147,12 @@ def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> 
         plan = spec.tp_plan(model) if spec.plan is not None else {}
     except ContractError:
         plan = {}  # a plan we can't apply: TP is not an option for this model
-    split = sum(count_params(model.get_submodule(name)) for name in plan)
+    split = sum(count_params(model.get_submodule(name)) for name, style in plan.items() if style != REPLICATED_STYLE)
+    whole = [model.get_submodule(name) for name, style in plan.items() if style == REPLICATED_STYLE]
+    try:
+        norms = [model.get_submodule(name) for name in spec.sp_norms(model)] if plan else []
+    except ContractError:
+        norms = []  # sequence parallelism is not an option for this model
     head = spec.head(model) if plan else None
     divisors = tp_divisors(model, plan) if plan else {}
     heads = max((v for k, v in divisors.items() if not k.endswith("_features")), default=1)
@@ -167,6 +172,8 @@ def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> 
         params=params,
         layers=len(spec.blocks),
         block_linear_params=split,
+        tp_whole_params=sum(count_params(m) for m in whole),
+        sequence_norm_params=sum(count_params(m) for m in norms),
         hidden=hidden,
         seq_len=positions,
         heads=heads,

@@ -48,6 +48,13 @@ class Shape:
     """Width per token of the keys its attention passes to scaled_dot_product_attention (heads x
     head dim, counted on the meta device): what context parallelism gathers, an eighth of `hidden`
     for Llama 3 70B (8 K/V heads for 64 query heads); 0: `hidden` (no attention seen)."""
+    tp_whole_params: int = 0
+    """Parameters the tensor-parallel plan keeps whole inside a split region
+    (`replicated_with_grad_allreduce`: Qwen3's per-head q/k norms), over all blocks."""
+    sequence_norm_params: int = 0
+    """Parameters of the norms sequence parallelism runs by position (the plan's `sequence_parallel`
+    entries). With `tp_whole_params`: gradients that are partial sums over the TP ranks, summed in
+    one all-reduce a step where no FSDP does (training/parallel/tp.py sum_partial_grads)."""
     head_params: int = 0
     """Parameters of the output head tensor parallelism splits by vocabulary, its logits kept
     split into the loss (training/parallel/tp.py); 0: the model has none it can split, and TP
