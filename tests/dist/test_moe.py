@@ -36,11 +36,13 @@ def test_a_moe_gpt_at_world_2_matches_one_process(name):
     assert {"moe/imbalance", "moe/imbalance_mean", "moe/load/layers.0.feed_forward.experts"} <= names
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero1", "zero3"])
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero3", "tp"])
 def test_experts_split_over_2_ranks_match_one_process(name):
     """strategy.ep=2 at world 2: each rank holds 2 of the 4 experts of every layer, tokens sent to
     them and back by all-to-all; under DDP their gradients are left out of DDP's buckets, under FSDP
-    sharded over their own (one-rank) replica mesh, both divided by the 2 data-parallel ranks."""
+    sharded over their own (one-rank) replica mesh, both divided by the 2 data-parallel ranks. Under
+    tp=2 (one data-parallel rank) the expert group is the TP pair: each routes its half of the
+    tokens they share (ep is carved out of dp x cp x tp)."""
     one, two = run(StrategyConfig(name="ddp"), 1, MOE), run(StrategyConfig(name=name, ep=2), 2, MOE)
     assert two.ep == 2
     assert two.losses == pytest.approx(one.losses, **TOL)
@@ -72,16 +74,19 @@ def test_experts_split_over_the_two_halves_of_each_sequence_match_one_process(na
      StrategyConfig(name="hybrid", dp_shard=2, cp=2, ep=2), StrategyConfig(name="hybrid", dp_shard=2, cp=2, ep=4),
      StrategyConfig(name="hybrid", dp_shard=2, pp=2, ep=2, microbatches=2),
      StrategyConfig(name="hybrid", dp_shard=2, tp=2, ep=2),
-     StrategyConfig(name="hybrid", dp_replicate=2, dp_shard=1, tp=2, ep=2)],
-    ids=["ddp4-ep2", "zero1-4-ep2", "fsdp4-ep2", "fsdp4-ep4", "fsdp2xcp2-ep2", "fsdp2xcp2-ep4", "pp2xfsdp2-ep2", "fsdp2xtp2-ep2", "hsdp2xtp2-ep2"],
+     StrategyConfig(name="hybrid", dp_replicate=2, dp_shard=1, tp=2, ep=2),
+     StrategyConfig(name="hybrid", dp_shard=2, tp=2, ep=4)],
+    ids=["ddp4-ep2", "zero1-4-ep2", "fsdp4-ep2", "fsdp4-ep4", "fsdp2xcp2-ep2", "fsdp2xcp2-ep4", "pp2xfsdp2-ep2",
+         "fsdp2xtp2-ep2", "hsdp2xtp2-ep2", "fsdp2xtp2-ep4"],
 )
 def test_experts_split_on_four_ranks_match_one_process(strategy):
     """At world 4: two expert groups of 2 whose replicas reduce the experts' gradients (DDP: by hand;
     zero1: the experts' optimizer state shared out over the 2 replicas, the rest over all 4 ranks;
     FSDP: sharded over the 2 replicas), one group of 4, a pipeline of 2 stages, each with its own
     expert groups (its first step's loads not counted: torch also runs its shape inference through
-    the experts then), and tensor parallelism of 2 beside ep=2 over the 2 data-parallel ranks (the
-    ranks of a TP group route the same tokens, each in its own expert group); and context
+    the experts then), and tensor parallelism of 2 beside ep=2 (the ranks of a TP group split the
+    tokens they share, and an expert group is 2 neighbouring ranks: the TP pair) and ep=4 (one
+    group of every rank, wider than the 2 data-parallel ranks); and context
     parallelism of 2 beside FSDP of 2, with ep=2 (two expert groups, each the halves of a sequence;
     the experts FSDP-sharded over their 2 replicas) and ep=4 (one group of every rank)."""
     one, four = run(StrategyConfig(name="ddp"), 1, MOE), run(strategy, 4, MOE)

@@ -158,16 +158,19 @@ def test_zero1_broadcasts_the_experts_shares_over_their_replicas():
 
 
 def test_the_groups_of_an_expert_layout_and_the_tier_they_ride():
-    """ep is carved out of dp (and cp), its ranks neighbours: ep=8 on nodes of 8 stays inside one,
-    ep=16 crosses; the replicas are ep ranks apart."""
+    """ep is carved out of dp (and cp and tp), its ranks neighbours: ep=8 on nodes of 8 stays inside
+    one, beside TP too, ep=16 crosses; the replicas are ep ranks apart."""
     d = ParallelDims(dp_shard=64, ep=8)
     assert group_of(d, "ep", 8) == Group(8, 8)
     assert group_of(dataclasses.replace(d, ep=16), "ep", 8).nodes == 2
     assert group_of(d, "edp", 8) == Group(8, 1)  # one per node: 8 ranks apart
     assert group_of(ParallelDims(dp_shard=4, ep=2), "edp", 8) == Group(2, 2)
-    # With cp, ep is carved out of dp x cp (a sequence's CP ranks neighbours): with tp=2 inside, an
-    # expert group of 4 is 4 ranks 2 apart (one node of 8); its replicas are the 2 TP ranks (which
-    # split their tokens) of one rank in each of the 2 expert groups, ep x tp = 8 apart: 2 a node.
+    # Beside TP the TP ranks, which split their tokens, are in the expert group: EP 8 beside TP 2 is
+    # one node (Megatron-Core's intra-node EP), its replicas 8 ranks apart (before: ep's ranks tp apart, 2 nodes).
+    assert group_of(ParallelDims(dp_shard=128, tp=2, ep=8), "ep", 8) == Group(8, 8)
+    assert group_of(ParallelDims(dp_shard=128, tp=2, ep=8), "edp", 8) == Group(32, 1)
+    # With cp, ep is carved out of dp x cp x tp (a sequence's CP ranks neighbours, TP innermost): an
+    # expert group of 4 is 4 neighbouring ranks; its replicas one in each of the 4 expert groups, 4 apart.
     cp = ParallelDims(dp_shard=4, cp=2, tp=2, ep=4)
     assert group_of(cp, "ep", 8) == Group(4, 4)
     assert group_of(cp, "edp", 8) == Group(4, 2)
@@ -189,8 +192,8 @@ def test_tensor_parallel_ranks_run_the_experts_whole_unless_expert_parallelism_s
     """The experts are in no tensor-parallel plan (training/models/gpt.py leaves them out): without
     expert parallelism every TP rank runs them on the same tokens, so of a sample's compute only the
     dense half here divides by tp; with it the TP ranks split the tokens (training/parallel/ep.py),
-    and all of it does. An expert group with tp=4 inside it has its ranks 4 apart: ep=4 spans 2
-    nodes of 8."""
+    and all of it does. An expert group beside tp=4 is 4 neighbouring ranks, the TP group's own:
+    one node of 8."""
     w = Workload(shape=SHAPE, micro_batch=1, grad_accum=1, microbatches=1, precision="fp32", checkpointing="none",
                  tokens_per_sample=32, activations=Activations())
     assert SHAPE.expert_flops_share == 0.5
@@ -200,7 +203,7 @@ def test_tensor_parallel_ranks_run_the_experts_whole_unless_expert_parallelism_s
     assert w.tp_unsplit(ParallelDims(dp_shard=2, tp=4, ep=2)) == 1.0
     dense = dataclasses.replace(w, shape=dataclasses.replace(SHAPE, expert_flops_share=0.0))
     assert dense.tp_unsplit(ParallelDims(tp=8)) == 1.0
-    assert group_of(ParallelDims(dp_shard=8, tp=4, ep=4), "ep", 8) == Group(4, 2)
+    assert group_of(ParallelDims(dp_shard=8, tp=4, ep=4), "ep", 8) == Group(4, 4)
 
 
 def test_the_imbalance_each_degree_would_see_is_measured_from_the_routed_slots():

@@ -156,7 +156,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
         loss = split_loss(loss)
     if strategy.activation_checkpointing != "none":
         apply_ac(spec.live_blocks(), strategy.activation_checkpointing)
-    experts = expert_groups(dims, strategy.ep, dev.type) if strategy.ep > 1 and mesh is not None else None
+    experts = (expert_groups(dims, strategy.ep, dev.type, mesh["tp"] if use.tp else None)
+               if strategy.ep > 1 and mesh is not None else None)
     if experts is not None:
         apply_ep(all_sites, experts)
     dp_group = None

@@ -42,9 +42,10 @@ class ParallelDims:
     """Context-parallel degree: the ranks each sequence is split over (load-balanced for causal
     attention; training/parallel/cp.py)."""
     ep: int = 1
-    """Expert-parallel degree: carved out of the data- and context-parallel ranks (dp_size x cp / ep
-    expert groups of ep neighbouring ranks, each splitting every MoE layer's experts:
-    training/parallel/ep.py), so it is no mesh dimension of its own and leaves the world size as it is."""
+    """Expert-parallel degree: carved out of the data-, context- and tensor-parallel ranks, which all
+    route tokens of their own (dp_size x cp x tp / ep expert groups of ep neighbouring ranks, each
+    splitting every MoE layer's experts: training/parallel/ep.py), so it is no mesh dimension of its
+    own and leaves the world size as it is."""
 
     @classmethod
     def resolve(cls, dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int, cp: int = 1) -> ParallelDims:
@@ -201,11 +202,12 @@ def expert_parallel_problem(dims: ParallelDims, experts: list[int] | tuple[int, 
     if not experts:
         return ("the model declares no experts to split: name its experts modules and their stacked weights in "
                 "model.ep_plan (ep_dispatch_experts, grouped_gemm), as Hugging Face's base_model_ep_plan does")
-    if dims.cp == 1 and dims.dp_size % ep:
-        return f"must divide the data-parallel size {dims.dp_size} (dp_replicate x dp_shard): ep is carved out of it"
-    if dims.dp_size * dims.cp % ep:
-        return (f"must divide the data- and context-parallel ranks {dims.dp_size * dims.cp} (dp_replicate x dp_shard "
-                "x cp): ep is carved out of them")
+    routing = dims.dp_size * dims.cp * dims.tp
+    if routing % ep:
+        # Every one of those ranks routes tokens of its own (TP ranks split the ones they share).
+        inside = " x ".join(n for n, size in (("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard),
+                                              ("cp", dims.cp), ("tp", dims.tp)) if size > 1 or n == "dp_shard")
+        return f"must divide the ranks it is carved out of, {inside} = {routing}"
     if any(n % ep for n in experts):
         return f"must divide every layer's experts ({', '.join(map(str, sorted(set(experts))))})"
     return None

@@ -4,8 +4,9 @@ carved out of the ranks that hold the same weights and see different tokens: the
 ranks and the context-parallel ones, as torchtitan's ep borrows from dp_shard x cp).
 
 Those ranks (dp_replicate x dp_shard x cp, flattened in that order: a sequence's cp parts are
-neighbours) form dp·cp / ep *expert groups* of ep neighbouring ranks; rank i of a group holds
-experts [i·E/ep, (i+1)·E/ep) of every layer. The ranks holding the same experts (one from each
+neighbours), times the TP ranks beside them (which split their tokens, below), form dp·cp·tp / ep
+*expert groups* of ep neighbouring ranks; rank i of a group holds experts [i·E/ep, (i+1)·E/ep) of
+every layer. The ranks holding the same experts (one from each
 expert group) are *expert replicas*: their experts' gradients are reduced over them alone, while
 the other weights are reduced over every data- and context-parallel rank as before.
 
@@ -22,10 +23,11 @@ own expert groups). Applied to whatever experts modules the model's expert plan 
 
 With tensor parallelism the experts are in no TP plan (whole experts on every TP rank, as
 Megatron-Core's expert tensor-parallel size 1), and the ranks of a TP group, which see the same
-tokens, split them: TP rank t routes the t-th of tp parts of its tokens through its own expert
-group, and the parts are gathered back (Megatron-Core's alltoall dispatcher under TP). Each expert
-then computes a TP rank's tokens once instead of tp times, and its gradient sums over its replicas
-and the TP group (expert_groups). zero1 shares out the experts' optimizer state over their
+tokens, split them: TP rank t routes the t-th of tp parts of its tokens through its expert group,
+and the parts are gathered back (Megatron-Core's alltoall dispatcher under TP). Each expert then
+computes a TP rank's tokens once instead of tp times. Since every rank then routes tokens of its
+own, an expert group takes neighbouring ranks whatever their TP index (expert_groups): EP 8 beside
+TP 2 is one node of 8, its all-to-alls on NVLink. zero1 shares out the experts' optimizer state over their
 replicas, the rest's over the data-parallel ranks (training/optim.py). Checkpoints need nothing of
 their own: the split experts are DTensors, which DCP saves under the whole model's names and
 reshards on load.
@@ -50,14 +52,15 @@ from training.parallel.dims import ParallelDims
 @dataclass(frozen=True)
 class ExpertGroups:
     mesh: DeviceMesh
-    """(pp, edp, etp, ep) over every rank: `ep` the ranks that split the experts between them, `edp`
-    the expert groups' ranks holding the same experts, `etp` the TP ranks splitting the tokens."""
+    """(pp, edp, ep) over every rank: `ep` the neighbouring ranks that split the experts between
+    them, `edp` the expert groups' ranks holding the same experts (the expert replicas)."""
     ep: int
     data_parallel: int
     """Data- and context-parallel ranks whose tokens reach an expert's gradient: what it is divided by."""
     replicas: DeviceMesh
-    """The ranks holding the same experts, each with tokens of its own: one in each expert group
-    (edp) of each TP rank (etp), flattened."""
+    """The ranks holding the same experts, each with tokens of its own: one in each expert group."""
+    tp_mesh: DeviceMesh | None = None
+    """The TP group, whose ranks split the tokens they share between them (None: tp = 1)."""
 
     @property
     def ep_group(self) -> dist.ProcessGroup:
@@ -70,26 +73,27 @@ class ExpertGroups:
     @property
     def tp(self) -> int:
         """The TP ranks that split each experts module's tokens between them."""
-        return self.mesh["etp"].size()
+        return self.tp_mesh.size() if self.tp_mesh is not None else 1
 
 
-def expert_groups(dims: ParallelDims, ep: int, device_type: str) -> ExpertGroups:
+def expert_groups(dims: ParallelDims, ep: int, device_type: str, tp_mesh: DeviceMesh | None = None) -> ExpertGroups:
     """The expert mesh. A rank is (pp_index x dp·cp + g) x tp + tp_index, g = dp_index x cp +
-    cp_index its index among the ranks that hold the same weights, and g is
-    edp_index x ep + ep_index: the (pp, dp·cp / ep, ep, tp) mesh in rank order. TP rank t of
-    every rank of an expert group routes the t-th part of their tokens (ExpertParallel): the
-    group's all-to-alls run among the same TP rank of each, and an expert's replicas are its
-    edp ranks times the TP ranks, each with tokens of its own."""
+    cp_index its index among the ranks that hold the same weights; within a stage, its index
+    g x tp + tp_index among the dp·cp·tp ranks that route tokens of their own (TP rank t of a TP
+    group routes the t-th part of the tokens the group shares: ExpertParallel) is edp_index x ep +
+    ep_index: the (pp, dp·cp·tp / ep, ep) mesh in rank order. An expert group is ep neighbouring
+    ranks, TP ranks among them (Megatron-Core's folding of the experts' layout apart from the
+    attention's, expert tensor-parallel size 1; torchtitan's ep borrows tp the same way): on nodes
+    of 8, EP 8 beside TP 2 is one node's ranks, not two nodes' same TP rank. `tp_mesh`: the TP group
+    (tp > 1)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    same = dims.dp_size * dims.cp
-    # Its dimensions ordered (pp, edp, etp, ep), the ranks as above: FSDP shards the experts over
-    # their replicas (edp x etp, flattened) beside ep, and torch composes the two only when the
-    # replicas' dimensions come before ep's and next to each other.
-    ranks = torch.arange(dims.pp * same * dims.tp).reshape(dims.pp, same // ep, ep, dims.tp).permute(0, 1, 3, 2)
-    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "etp", "ep"))
-    replicas = mesh["edp", "etp"]._flatten("edp_etp") if dims.tp > 1 else mesh["edp"]
-    return ExpertGroups(mesh, ep, same, replicas)
+    routing = dims.dp_size * dims.cp * dims.tp
+    # Its dimensions ordered (pp, edp, ep): FSDP shards the experts over their replicas (edp) beside
+    # ep, and torch composes the two only when the replicas' dimension comes before ep's.
+    ranks = torch.arange(dims.pp * routing).reshape(dims.pp, routing // ep, ep)
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep"))
+    return ExpertGroups(mesh, ep, dims.dp_size * dims.cp, mesh["edp"], tp_mesh if dims.tp > 1 else None)
 
 
 class AllToAllExperts:
@@ -142,7 +146,8 @@ class ExpertParallel:
     def __call__(self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         tp = self.exchange.groups.tp
         if tp > 1:  # this TP rank's part of the tokens the TP group shares
-            group, rank = self.exchange.groups.mesh["etp"].get_group(), self.exchange.groups.mesh["etp"].get_local_rank()
+            tp_mesh = self.exchange.groups.tp_mesh
+            group, rank = tp_mesh.get_group(), tp_mesh.get_local_rank()
             sizes = [len(part) for part in torch.arange(tokens.shape[0]).tensor_split(tp)]
             tokens, top_k_weights = (_TokenPart.apply(t, sizes, rank, group) for t in (tokens, top_k_weights))
             top_k_index = top_k_index.split(sizes)[rank]
@@ -280,7 +285,7 @@ def reduce_expert_grads(params: list[nn.Parameter], groups: ExpertGroups) -> Cal
 
 def rescale_expert_grads(params: list[nn.Parameter], groups: ExpertGroups) -> Callable[[], None]:
     """After the step's last backward, under FSDP: it averaged each expert gradient over the
-    replicas (dp·cp / ep ranks, times the TP ranks that split the tokens); the average over every
+    replicas (dp·cp·tp / ep ranks: the TP ranks split the tokens); the average over every
     data-parallel rank is tp/ep of that. (Setting FSDP's divide factor instead needs a
     pre-multiplied sum, which gloo lacks.)"""
     factor = groups.tp / groups.ep

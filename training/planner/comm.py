@@ -67,7 +67,7 @@ class Group:
 def group_of(d: ParallelDims, dim: str, devices_per_node: int | None) -> Group:
     """The group of mesh dimension `dim` (`dp`: dp_replicate x dp_shard, flattened; `grad`: those
     and cp, the ranks whose gradients are reduced together; `ep` and `edp`: an expert group and
-    an expert's replicas, carved out of those) in the layout
+    an expert's replicas, carved out of those and the TP ranks) in the layout
     `d` on nodes of `devices_per_node` ranks (None: one node holds them all). Its ranks are
     `stride` apart, stride being the product of the dimensions inside it, so a node holds
     devices_per_node // stride of them (at least one)."""
@@ -78,17 +78,10 @@ def group_of(d: ParallelDims, dim: str, devices_per_node: int | None) -> Group:
         ranks, inner = d.dp_size, names[names.index("dp_shard") + 1:]
     elif dim == "grad":  # every rank that holds the same parameters: the data-parallel and cp ranks
         ranks, inner = d.dp_size * d.cp, names[names.index("cp") + 1:]
-    elif dim == "ep":  # an expert group: ep neighbouring data- or context-parallel ranks (training/parallel/ep.py)
-        ranks, inner = d.ep, names[names.index("cp") + 1:]
-    elif dim == "edp" and d.ep > 1 and d.tp > 1:
-        # An expert's replicas: the TP ranks (neighbours) of one in each expert group (ep·tp apart).
-        ranks = expert_replicas(d)
-        if devices_per_node is None:
-            return Group(ranks, ranks)
-        groups = max(1, min(ranks // d.tp, devices_per_node // (d.ep * d.tp)))
-        return Group(ranks, min(ranks, min(d.tp, devices_per_node) * groups))
+    elif dim == "ep":  # an expert group: ep neighbouring data-, context- or tensor-parallel ranks (training/parallel/ep.py)
+        ranks, inner = d.ep, []
     elif dim == "edp":  # an expert's replicas: one in each expert group, ep of those ranks apart
-        ranks, inner, spacing = expert_replicas(d), names[names.index("cp") + 1:], d.ep
+        ranks, inner, spacing = expert_replicas(d), [], d.ep
     else:
         ranks, inner = sizes[dim], names[names.index(dim) + 1:]
     if devices_per_node is None:
@@ -305,7 +298,7 @@ def expert_traffic(shape: Shape, strategy: str, d: ParallelDims, micro_batch: in
     the expert counts and two of the tokens (dispatch, combine), backward two of their gradients;
     recomputation (full or selective: its policy keeps no collective) repeats the forward's three.
     Under TP each TP rank routes its part of the tokens, and the parts are all-gathered (forward
-    one, backward two). The experts' replicas (dp·cp / ep ranks, times tp) reduce-scatter and gather them under FSDP, once per MoE
+    one, backward two). The experts' replicas (dp·cp·tp / ep ranks) reduce-scatter and gather them under FSDP, once per MoE
     layer (their own unit), or all-reduce their gradients after backward under DDP (one call per
     weight, two a layer: nothing left to hide behind), and under zero1 broadcast each replica's
     updated share after the step.

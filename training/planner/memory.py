@@ -100,10 +100,10 @@ def stage_params(shape: Shape, d: ParallelDims) -> tuple[float, float]:
 
 def expert_replicas(d: ParallelDims) -> int:
     """Ranks holding the same experts, each routing tokens of its own (one in each expert group,
-    carved out of the data- and context-parallel ranks, times the TP ranks, which split their
-    tokens under expert parallelism): FSDP shards the experts over them, DDP all-reduces their
-    gradients over them (training/parallel/ep.py)."""
-    return d.dp_size * d.cp // d.ep * (d.tp if d.ep > 1 else 1)
+    carved out of the data-, context- and tensor-parallel ranks: the TP ranks split their tokens
+    under expert parallelism): FSDP shards the experts over them, DDP all-reduces their gradients
+    over them (training/parallel/ep.py)."""
+    return d.dp_size * d.cp * d.tp // d.ep if d.ep > 1 else d.dp_size * d.cp
 
 
 def _ends(shape: Shape, d: ParallelDims) -> tuple[float, float]:

@@ -100,8 +100,8 @@ def layouts(world: int, shape: Shape, context_parallel: bool = False) -> Iterato
 
 def expert_layouts(shape: Shape, d: ParallelDims) -> Iterator[ParallelDims]:
     """`d` with each expert-parallel degree > 1 its MoE layers allow (expert_parallel_problem):
-    dividing the data- and context-parallel ranks and every layer's experts."""
-    for ep in divisors(d.dp_size * d.cp)[1:] if shape.experts else []:
+    dividing the data-, context- and tensor-parallel ranks and every layer's experts."""
+    for ep in divisors(d.dp_size * d.cp * d.tp)[1:] if shape.experts else []:
         split = dataclasses.replace(d, ep=ep)
         if expert_parallel_problem(split, shape.experts) is None:
             yield split
