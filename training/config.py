@@ -150,8 +150,9 @@ class StrategyConfig:
     -1 means the leftover ranks. The sequence length must be a multiple of 2 x cp."""
     ep: int = 1
     """Expert-parallel degree: each mixture-of-experts layer's experts split over this many
-    data-parallel ranks, tokens sent to them by all-to-all (training/parallel/ep.py); must divide
-    the data-parallel size and the experts. 1: experts are weights like any other."""
+    neighbouring ranks, tokens sent to them by all-to-all (training/parallel/ep.py); must divide
+    dp_replicate x dp_shard x cp x tp (the ranks that route tokens of their own) and the experts.
+    1: experts are weights like any other."""
     microbatches: int = 2
     """Pipeline microbatches per micro-batch (pp > 1); must divide the micro-batch."""
     pp_schedule: str = "gpipe"
