@@ -239,3 +239,23 @@ def test_the_llama3_405b_rows_are_what_make_bench_writes():
     assert all(c.recommended_fits and c.recommended >= c.predicted for c in checked)
     assert all("tp8" in c.recommendation or "tp4" in c.recommendation or "tp" not in c.recommendation
                for c in checked), "TP stays within a node of 8"
+
+
+@pytest.mark.slow
+def test_the_qwen3_moe_rows_are_what_make_bench_writes():
+    """Megatron-Core's Qwen3-235B-A22B rows (NVIDIA's Megatron-MoE-ModelZoo) regenerated from Hugging
+    Face's Qwen3-MoE at the published shape on the meta device: the same lines as docs/published.md,
+    and the recommendation fits and is predicted at least as fast."""
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.published import ROWS, anchored, check, write_table
+
+    stack = [r for r in ROWS if r.stack == "Megatron-Core MoE, H100"]
+    checked, anchors = anchored([check(r) for r in stack])
+    with tempfile.TemporaryDirectory() as tmp:
+        write_table(checked, anchors, Path(tmp) / "t.md")
+        regenerated = [line for line in (Path(tmp) / "t.md").read_text().splitlines() if line.startswith("| Qwen3")]
+    assert len(regenerated) == 3
+    assert regenerated == [row for row in published_table()[0] if row.startswith("| Qwen3")]
+    assert all(c.recommended_fits and c.recommended >= c.predicted for c in checked)
