@@ -11,8 +11,9 @@ returns `.loss` when given labels, and its logits otherwise.
 from __future__ import annotations
 
 import importlib
-import inspect
 import re
+import sys
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -25,7 +26,8 @@ def _class(path: str) -> type:
 
 def _read_by(model_type: type) -> set[str]:
     """The config fields the model's module reads: `config.<name>` and getattr(config, "<name>"...)."""
-    source = inspect.getsource(inspect.getmodule(model_type))
+    # The module's file read as text: inspect.getsource would scan every loaded module for it.
+    source = Path(sys.modules[model_type.__module__].__file__).read_text()
     return set(re.findall(r"\bconfig\.(\w+)", source)) | set(re.findall(r"getattr\(\s*config\s*,\s*[\"'](\w+)", source))
 
 
