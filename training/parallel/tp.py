@@ -55,9 +55,10 @@ STYLES = {  # "colwise": SharingColwise
     # A module between a column and a row split that stays whole (Qwen3's per-head q/k norms see
     # only this rank's heads): its parameters replicated DTensors and its input declared one shard
     # of a tensor (dim 0: any dimension its forward does not reduce over), so each rank's gradient
-    # is a partial sum that DTensor all-reduces in backward, once per backward, which accumulation
-    # keeps right (Hugging Face's own style all-reduces the accumulated .grad after every backward,
-    # which sums an earlier micro-batch's gradient again). The output goes on as the local tensor.
+    # is a partial sum, accumulated as one over micro-batches and summed over the TP ranks once a
+    # step (sum_partial_grads; under FSDP by its reduction). Hugging Face's own style all-reduces
+    # the accumulated .grad after every backward, which sums an earlier micro-batch's gradient
+    # again. The output goes on as the local tensor.
     REPLICATED_STYLE: lambda: SequenceParallel(sequence_dim=0, use_local_output=True),
 }
 
