@@ -97,6 +97,15 @@ def qwen3_235b(layout: tuple[str, ...], gpus: int = 256) -> tuple[str, ...]:
             "train.global_batch=2048", "strategy.precision=bf16", *layout)
 
 
+def megatron_pp8(tp: int, ep: int, microbatches: int, ac: str) -> tuple[str, ...]:
+    """Megatron-Core's pipelined MoE layout in this project's terms: the distributed optimizer
+    (zero1) over the rest, PP 8 with 4 virtual stages a rank (interleaved 1F1B), one accumulation
+    step of `microbatches` one-sample microbatches."""
+    return ("strategy=zero1", f"strategy.tp={tp}", "strategy.pp=8", f"strategy.ep={ep}", "train.grad_accum=1",
+            f"strategy.microbatches={microbatches}", "strategy.pp_schedule=interleaved_1f1b",
+            "strategy.pp_virtual_stages=4", f"strategy.activation_checkpointing={ac}")
+
+
 SC21 = "Narayanan et al. 2021 (SC'21, arXiv 2104.04473), Table 1; MBS from examples/sc21/run_table_1.sh"
 MPT = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (2024-04), H100 80GB, bf16, FSDP"
 MPT_A100 = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (2024-04), A100 80GB, bf16, FSDP"
@@ -149,10 +158,7 @@ ROWS = [
         597.3, "torchtitan, H100", "torch.compile there; a vocabulary-parallel loss there and here (the head's "
         "16 x 8192 x 128256 logits split over TP); H100s at 500 W"),
     # In the source's order (its first row, the stack's anchor, the cross-node one).
-    Published(MOE_ZOO, "Qwen3-235B-A22B, 256 H100, TP 2 PP 8 (VPP 4) DP 16, EP 32 across nodes", qwen3_235b((
-              "strategy=zero1", "strategy.tp=2", "strategy.pp=8", "strategy.ep=32", "train.grad_accum=1",
-              "strategy.microbatches=128", "strategy.pp_schedule=interleaved_1f1b", "strategy.pp_virtual_stages=4",
-              "strategy.activation_checkpointing=selective")),
+    Published(MOE_ZOO, "Qwen3-235B-A22B, 256 H100, TP 2 PP 8 (VPP 4) DP 16, EP 32 across nodes", qwen3_235b(megatron_pp8(2, 32, 128, "selective")),
               2048 * 4096 / 19.7 / 256, "Megatron-Core MoE, H100",
               f"the cross-node EP row: EDP 1, ETP 1, the distributed optimizer (zero1), MBS 1, 19.7 s a step "
               f"(245 TFLOP/s); its recomputation of the norms and the MoE activation as `selective` here; "
@@ -163,10 +169,7 @@ ROWS = [
               2048 * 4096 / 17.6 / 256, "Megatron-Core MoE, H100",
               f"the intra-node EP row: EDP 32, ETP 1, Megatron FSDP, full recomputation, 17.6 s a step (276 TFLOP/s); "
               f"{MOE_ZOO_NOTE}"),
-    Published(MOE_ZOO, "Qwen3-235B-A22B, 256 H100, TP 4 PP 8 (VPP 4) DP 8, EP 8", qwen3_235b((
-              "strategy=zero1", "strategy.tp=4", "strategy.pp=8", "strategy.ep=8", "train.grad_accum=1",
-              "strategy.microbatches=256", "strategy.pp_schedule=interleaved_1f1b", "strategy.pp_virtual_stages=4",
-              "strategy.activation_checkpointing=none")),
+    Published(MOE_ZOO, "Qwen3-235B-A22B, 256 H100, TP 4 PP 8 (VPP 4) DP 8, EP 8", qwen3_235b(megatron_pp8(4, 8, 256, "none")),
               2048 * 4096 / 29.0 / 256, "Megatron-Core MoE, H100",
               f"EDP 4, ETP 1, the distributed optimizer (zero1), MBS 1, no recomputation, 29.0 s a step (167 TFLOP/s); "
               f"94 layers over 32 virtual stages (uneven there as here); {MOE_ZOO_NOTE}; Hugging Face's "
