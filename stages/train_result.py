@@ -88,16 +88,20 @@ class TrainResult:
     ep: int = 1
     """Expert-parallel degree: the ranks each MoE layer's experts were split over."""
     expert_load: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    """Mixture-of-experts models: each MoE layer's routed slots per expert over the run's steps,
-    all ranks' tokens (training/contract/experts.py); empty for a dense model."""
+    """Mixture-of-experts models: each MoE layer's slots per expert over the run's steps, all
+    ranks' tokens, those dropped over capacity not counted (training/contract/experts.py); empty
+    for a dense model."""
+    expert_dropped_share: float = 0.0
+    """Of the slots routed over the run, in every MoE layer, the share dropped over the experts'
+    capacity (0 without a capacity factor)."""
     expert_imbalance: list[float] = dataclasses.field(default_factory=list)
-    """Per step from `expert_first_step`, the MoE layers' mean of busiest-expert slots over the mean
-    (1.0: balanced)."""
+    """Per step from `expert_first_step`, the MoE layers' mean of busiest-expert slots over a
+    balanced expert's share of those routed (1.0: balanced; a capacity factor c bounds it by c)."""
     expert_rank_imbalance: dict[str, float] = dataclasses.field(default_factory=dict)
     """For each expert-parallel degree that divides the experts ("2", "4", ...): the steps' mean of the
-    busiest rank's routed slots over the mean rank's, had the experts been split over that many
-    ranks (training/contract/experts.py's rank_imbalance). A later plan's prediction stretches the
-    experts' compute by it (plan.calibrate)."""
+    busiest rank's kept slots over a balanced rank's share of those routed, had the experts been
+    split over that many ranks (training/contract/experts.py's rank_imbalance). A later plan's
+    prediction stretches the experts' compute by it (plan.calibrate)."""
     expert_rank_held_imbalance: dict[str, float] = dataclasses.field(default_factory=dict)
     """For the same degrees, the highest over the steps of the busiest rank's slots summed over the
     layers over the mean rank's (rank_held_imbalance): what a later plan's memory ruler stretches
@@ -149,6 +153,7 @@ class TrainResult:
         if self.expert_imbalance:
             out += [("moe/imbalance", x, step) for step, x in enumerate(self.expert_imbalance, self.expert_first_step)]
             scalars["moe/imbalance_mean"] = statistics.fmean(self.expert_imbalance)
+            scalars["moe/dropped_share"] = self.expert_dropped_share
         scalars.update({f"moe/rank_imbalance_ep{ep}": x for ep, x in self.expert_rank_imbalance.items()})
         scalars.update({f"moe/rank_held_imbalance_ep{ep}": x for ep, x in self.expert_rank_held_imbalance.items()})
         # One chart per layer: the expert's index on the step axis, its slots as the value.
@@ -219,7 +224,7 @@ def result(r: Run, cfg: TrainInputs, plan: PlanResult, baseline: TrainResult | N
     """The run's result: throughput and efficiency against its baseline, memory, MFU, the plan's
     prediction held against it, and what the ranks reported."""
     from training.contract.calls import tokens_per_sample
-    from training.contract.experts import rank_held_imbalance, rank_imbalance, step_imbalance
+    from training.contract.experts import dropped_share, rank_held_imbalance, rank_imbalance, step_imbalance
     from training.data import first_samples
     from training.flops import peak_column, peak_flops
 
@@ -281,7 +286,8 @@ def result(r: Run, cfg: TrainInputs, plan: PlanResult, baseline: TrainResult | N
                                     g.held_peak),
         system=g.system,
         ranks_in_sync=g.in_sync,
-        expert_load={layer: [sum(e) for e in zip(*steps, strict=True)] for layer, steps in g.routed.items()},
+        expert_load={layer: [sum(e) for e in zip(*steps, strict=True)][:-1] for layer, steps in g.routed.items()},
+        expert_dropped_share=dropped_share(g.routed),
         expert_imbalance=step_imbalance(g.routed),
         expert_rank_imbalance=rank_imbalance(g.routed),
         expert_rank_held_imbalance=rank_held_imbalance(g.routed),

@@ -165,6 +165,25 @@ def test_the_memory_ruler_holds_the_busiest_expert_ranks_routed_slots(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_capacity_factor_bounds_what_the_busiest_expert_rank_holds(tmp_path):
+    """The previous test's layout with each expert capped at 0.75 of a balanced share of the slots
+    (capacity_factor=0.75: a quarter of them dropped at best, more under the untrained routing):
+    the meta count keeps balanced routing's 0.75, one process measures the busiest rank's kept
+    slots against a balanced share of those routed (at most 0.75: the bound), and the ruler is held
+    against the world-4 run. Measured: 33 % of the slots dropped, the busiest rank 0.75 at ep=4,
+    predicted over measured 1.03 (8.39 against 8.13 MB)."""
+    capped = dataclasses.replace(MEASURED_MOE, kwargs=dict(MEASURED_MOE.kwargs, capacity_factor=0.75))
+    inputs = dataclasses.replace(train_inputs(StrategyConfig(name="ddp"), steps=3, timing_warmup=1, global_batch=16),
+                                 model=capped, data=MEASURED_DATA)
+    one = run_world("tests.dist.workers:train_any", (inputs, tempfile.mkdtemp()), world=1)
+    held = tuple((int(ep), x) for ep, x in one.expert_rank_held_imbalance.items())
+    assert one.expert_dropped_share > 0.25, "the capacity drops slots"
+    assert 0.6 < dict(held)[4] <= 0.75 + 1e-9, held
+    predicted, measured = predicted_and_measured(StrategyConfig(name="ddp", ep=4), 4, tmp_path, capped, held)
+    assert 0.9 <= predicted / measured <= 1.1, predicted / measured
+
+
+@pytest.mark.slow
 def test_zero1_shares_out_the_experts_optimizer_state_over_their_replicas(tmp_path):
     """World 4, bf16, ep=2: zero1's fp32 masters and moments (12 bytes a parameter) of the dense
     weights shared out over the 4 data-parallel ranks, of a rank's experts over their 2 replicas

@@ -33,7 +33,7 @@ def test_a_moe_gpt_at_world_2_matches_one_process(name):
     assert len(two.expert_imbalance) == 10 and all(x >= 1.0 for x in two.expert_imbalance)
     assert two.expert_imbalance == pytest.approx(one.expert_imbalance)
     names = {name for name, _, _ in two.metrics()}
-    assert {"moe/imbalance", "moe/imbalance_mean", "moe/load/layers.0.feed_forward.experts"} <= names
+    assert {"moe/imbalance", "moe/imbalance_mean", "moe/dropped_share", "moe/load/layers.0.feed_forward.experts"} <= names
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero3", "tp"])

@@ -265,7 +265,7 @@ def test_a_mixture_of_experts_run_charts_its_routing(moe, store, server, tmp_pat
     lines = text_lines(page)
     charts = {lines[i]: lines[i + 1] for i in range(len(lines) - 1) if lines[i] in ("moe", "moe/load")}
     degrees = len(result["expert_rank_imbalance"]) + len(result["expert_rank_held_imbalance"])
-    assert charts == {"moe": f"({2 + degrees})", "moe/load": "(2)"}, charts
+    assert charts == {"moe": f"({3 + degrees})", "moe/load": "(2)"}, charts  # imbalance, its mean, dropped share
     # The report's chart of the same loads, shown by the artifact viewer (fetched, then drawn from a blob).
     report = stage_run(store, moe, "report")
     assert "expert_load.png" in {a.path for a in client.list_artifacts(report.info.run_id)}

@@ -70,7 +70,8 @@ def test_a_capacity_factor_drops_each_experts_latest_slots():
                 dropped.add((i, e))
     assert dropped, "the seed routes more than the capacity to some expert"
     assert torch.allclose(moe(x), by_hand(moe, x, dropped), atol=1e-6)
-    assert moe.counter.take().tolist() == [min(seen.get(e, 0), capacity) for e in range(E)]
+    kept = [min(seen.get(e, 0), capacity) for e in range(E)]
+    assert moe.counter.take().tolist() == [*kept, 12 * 2 - sum(kept)], "each expert's kept slots, then the dropped"
 
 
 def test_the_balance_loss_is_one_when_balanced_and_reaches_only_the_gradient():
@@ -98,6 +99,26 @@ def test_the_balance_loss_is_one_when_balanced_and_reaches_only_the_gradient():
 def test_load_imbalance_is_the_busiest_expert_over_the_mean():
     assert load_imbalance(torch.tensor([4, 4, 4, 4])) == 1.0
     assert load_imbalance(torch.tensor([10, 2, 2, 2])) == 2.5
+    # 24 slots routed, 8 of them dropped: the busiest kept 6 against a balanced expert's 24 / 4,
+    # not against the kept mean of 4 (a capacity factor of 1 keeps the figure at most 1).
+    assert load_imbalance(torch.tensor([6, 6, 2, 2]), routed=24) == 1.0
+
+
+def test_on_meta_a_capacity_factor_keeps_balanced_routings_share():
+    """The plan's count (no router values: slots spread evenly) of a layer whose experts keep at
+    most ceil(0.5 x 12 tokens x 2 / 4) = 3 slots each: 12 of the 24 slots, so half the experts'
+    FLOPs; without a capacity factor, or at 1.5, all 24."""
+    def expert_flops(capacity_factor: float | None) -> int:
+        with torch.device("meta"):
+            moe = MoE(D, HIDDEN, E, 2, capacity_factor)
+            x = torch.zeros(1, 12, D)
+        with FlopCount() as flops:
+            moe(x)
+        return flops.total - 2 * 12 * D * E  # the router's
+
+    per_slot = 2 * 2 * D * HIDDEN  # two matmuls of d x h, 2 FLOPs a weight
+    assert expert_flops(None) == expert_flops(1.5) == 24 * per_slot
+    assert expert_flops(0.5) == 12 * per_slot
 
 
 def test_flops_on_meta_count_the_active_parameters():

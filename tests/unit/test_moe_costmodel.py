@@ -11,7 +11,7 @@ import torch
 
 from training.config import ModelConfig
 from training.contract.calls import build_model, model_loss
-from training.contract.experts import rank_held_imbalance, rank_imbalance, step_imbalance
+from training.contract.experts import dropped_share, rank_held_imbalance, rank_imbalance, step_imbalance
 from training.contract.spec import model_spec
 from training.data import first_samples, markov
 from training.parallel.dims import ParallelDims
@@ -186,6 +186,10 @@ def test_the_imbalance_stretches_the_experts_share_of_compute_only_under_ep():
     assert w.expert_straggler(ParallelDims(dp_shard=4, ep=2)) == pytest.approx(1 + 0.5 * 0.5)
     assert w.expert_straggler(ParallelDims(dp_shard=4, ep=4)) == pytest.approx(1 + 0.5 * 0.8)
     assert w.expert_straggler(ParallelDims(dp_shard=8, ep=8)) == 1.0  # not measured: balanced
+    # A capacity factor of 1.6 bounds the busiest rank at 1.6 x a balanced rank's slots.
+    capped = dataclasses.replace(w, shape=dataclasses.replace(SHAPE, capacity_factor=1.6))
+    assert capped.expert_straggler(ParallelDims(dp_shard=4, ep=2)) == pytest.approx(1 + 0.5 * 0.5)
+    assert capped.expert_straggler(ParallelDims(dp_shard=4, ep=4)) == pytest.approx(1 + 0.5 * 0.6)
 
 
 def test_tensor_parallel_ranks_run_the_experts_whole_unless_expert_parallelism_splits_their_tokens():
@@ -207,19 +211,28 @@ def test_tensor_parallel_ranks_run_the_experts_whole_unless_expert_parallelism_s
 
 
 def test_the_imbalance_each_degree_would_see_is_measured_from_the_routed_slots():
-    """Two steps of one layer of 4 experts: at ep=4 the busiest expert over the mean, at ep=2 the
-    busier pair over the mean pair; a plan takes the median of the runs' figures."""
-    counts = {"layers.0": [[6, 2, 0, 0], [2, 2, 2, 2]]}
+    """Two steps of one layer of 4 experts (each step's counts: the experts' kept slots, then the
+    dropped, none here): at ep=4 the busiest expert over the mean, at ep=2 the busier pair over the
+    mean pair; a plan takes the median of the runs' figures."""
+    counts = {"layers.0": [[6, 2, 0, 0, 0], [2, 2, 2, 2, 0]]}
     assert step_imbalance(counts) == [3.0, 1.0]
     assert step_imbalance(counts, 2) == [2.0, 1.0]
     assert rank_imbalance(counts) == {"2": 1.5, "4": 2.0}  # 3 does not divide 4
     # What the ranks hold adds up over the layers: a second layer busiest where the first is idlest
     # evens the ranks out (ep=2: 8 slots on each rank; ep=4: [6, 2, 2, 6], the busiest 6 over the
     # mean 4), where in time each layer still waits for its own busiest rank.
-    two = {"layers.0": [[6, 2, 0, 0]], "layers.1": [[0, 0, 2, 6]]}
+    two = {"layers.0": [[6, 2, 0, 0, 0]], "layers.1": [[0, 0, 2, 6, 0]]}
     assert rank_held_imbalance(two) == {"2": 1.0, "4": 1.5}
     assert rank_imbalance(two) == {"2": 2.0, "4": 3.0}
     assert rank_held_imbalance(counts) == {"2": 2.0, "4": 3.0}  # one layer: the worst step's
+    # A capacity of 2 slots an expert (c = 1 over 8 routed slots) dropped 4 of the first step's:
+    # against a balanced share of the 8 routed, the busiest expert's 2 are 1.0, the busier pair's
+    # 4 over 4 at ep=2 is 1.0: a capacity factor c bounds every figure by c.
+    dropped = {"layers.0": [[2, 2, 0, 0, 4], [2, 2, 2, 2, 0]]}
+    assert step_imbalance(dropped) == [1.0, 1.0]
+    assert rank_imbalance(dropped) == {"2": 1.0, "4": 1.0}
+    assert rank_held_imbalance(dropped) == {"2": 1.0, "4": 1.0}
+    assert dropped_share(dropped) == pytest.approx(4 / 16)
     step = StepPrediction(1.0, 0.0, 0.0)
     runs = [MeasuredStep("ddp", 2, step, 1.0, ((2, x),)) for x in (1.2, 1.5, 1.4)]
     assert measured_imbalance(runs) == ((2, 1.4),)
@@ -305,3 +318,12 @@ def test_the_experts_activations_are_counted_apart_and_split_over_tp_under_ep():
     assert activation_memory(skewed, ParallelDims(dp_shard=4, ep=2)) == pytest.approx(1000.0 + 150.0)
     assert activation_memory(skewed, ParallelDims(dp_shard=4, ep=4)) == pytest.approx(1000.0)
     assert activation_memory(skewed, ParallelDims(dp_shard=4)) == pytest.approx(1000.0)
+    # A capacity factor bounds it: at c = 1.2 no rank holds more than 1.2 x a balanced rank's
+    # slots (300 / 2 x 0.2 more); at c = 0.5 the meta count already kept half the slots, so a
+    # rank measured holding 0.4 of a balanced share of the routed slots holds 0.8 of that count.
+    capped = dataclasses.replace(skewed, shape=dataclasses.replace(SHAPE, capacity_factor=1.2))
+    assert activation_memory(capped, ParallelDims(dp_shard=2, tp=2, ep=2)) == pytest.approx(100.0 + 900.0 / 2 + 30.0)
+    halved = dataclasses.replace(w, shape=dataclasses.replace(SHAPE, capacity_factor=0.5),
+                                 expert_held_imbalance=((2, 0.4), (4, 0.9)))
+    assert activation_memory(halved, ParallelDims(dp_shard=4, ep=2)) == pytest.approx(1000.0 - 300.0 * 0.2)
+    assert activation_memory(halved, ParallelDims(dp_shard=4, ep=4)) == pytest.approx(1000.0)  # 0.9 capped at 0.5

@@ -6,6 +6,7 @@ and expert parallelism's dispatch share), and the slots each expert was sent, co
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,24 +40,52 @@ class Slots:
         return torch.zeros_like(tokens).index_add(0, self.token, (routed * weight).to(tokens.dtype))
 
 
-def group_by_expert(top_k_index: torch.Tensor, n_experts: int, tokens: torch.Tensor) -> Slots:
+def group_by_expert(top_k_index: torch.Tensor, n_experts: int, tokens: torch.Tensor,
+                    capacity_factor: float | None = None) -> Slots:
     """The slots of `top_k_index` (tokens x k; the index `n_experts` marks a dropped slot) grouped by
-    expert. On the meta device (no router values) the slots are spread evenly over the experts."""
+    expert. On the meta device (no router values) the slots are spread evenly over the experts, and
+    an expert keeps at most its capacity of them (`capacity_factor`: the experts module's, None for
+    none): balanced routing's drops, so the plan counts the slots the trainer would keep."""
     flat = top_k_index.reshape(-1)
     k = top_k_index.shape[-1]
     if tokens.is_meta:
         share, rest = divmod(flat.numel(), n_experts)
-        return Slots(torch.arange(flat.numel(), device=flat.device), [share + (i < rest) for i in range(n_experts)], k)
+        counts = [share + (i < rest) for i in range(n_experts)]
+        if capacity_factor is not None:
+            counts = [min(n, capacity(capacity_factor, flat.numel(), n_experts)) for n in counts]
+        return Slots(torch.arange(sum(counts), device=flat.device), counts, k)
     kept = torch.nonzero(flat < n_experts).squeeze(-1)
     order = kept[flat[kept].argsort(stable=True)]
     return Slots(order, torch.bincount(flat[kept], minlength=n_experts).tolist(), k)
 
 
-def load_imbalance(tokens_per_expert: torch.Tensor | list[int]) -> float:
+def capacity_factor_of(experts: nn.Module) -> float | None:
+    """The capacity factor an experts module declares (`capacity_factor`, as the built-in
+    GroupedExperts does): it is sent at most that many times a balanced expert's slots. None (the
+    Hugging Face families, which drop nothing): no bound."""
+    factor = getattr(experts, "capacity_factor", None)
+    return float(factor) if factor is not None else None
+
+
+def capacity(capacity_factor: float, slots: int, n_experts: int) -> int:
+    """The slots an expert keeps of `slots` routed over `n_experts` at `capacity_factor`
+    (GShard's capacity: the factor times a balanced expert's share, rounded up)."""
+    return math.ceil(capacity_factor * slots / n_experts)
+
+
+def kept_share(capacity_factor: float | None) -> float:
+    """Of the slots routed, the share balanced routing keeps under `capacity_factor` (None: all)."""
+    return 1.0 if capacity_factor is None else min(1.0, capacity_factor)
+
+
+def load_imbalance(tokens_per_expert: torch.Tensor | list[int], routed: float | None = None) -> float:
     """The most loaded expert's slots over the mean (1.0: balanced): what bounds an expert-parallel
-    step, which waits for its busiest expert."""
+    step, which waits for its busiest expert. `routed`: the slots routed, dropped ones included,
+    when some were dropped over capacity: the mean is then a balanced expert's share of them, so a
+    capacity factor c bounds the figure by c."""
     load = torch.as_tensor(tokens_per_expert, dtype=torch.float64)
-    return float(load.max() / load.mean()) if load.sum() > 0 else 1.0
+    total = float(load.sum()) if routed is None else routed
+    return float(load.max() * len(load) / total) if total > 0 else 1.0
 
 
 WRAPPERS = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -75,7 +104,8 @@ class LoadCounter:
     training/contract/spec.py) was sent since the last `take()`, on the device: a forward pre-hook
     reads its `top_k_index`, so every MoE family is counted alike. Each forward counts once
     (micro-batches, pipeline microbatches add up); checkpointing's recomputation in backward does
-    not count again; dropped slots (the index n_experts) do not count."""
+    not count again. Slots dropped over capacity (the index n_experts) are counted apart, in a last
+    column: the imbalance is taken against the slots routed, not only those kept (load_imbalance)."""
 
     def __init__(self, module: nn.Module, n_experts: int):
         self.n_experts = n_experts
@@ -88,12 +118,14 @@ class LoadCounter:
         if index.is_meta or torch._C._current_graph_task_id() != -1:  # meta, or recomputed inside backward
             return
         index = index.reshape(-1)
-        load = torch.bincount(index[index < self.n_experts], minlength=self.n_experts)
+        load = torch.bincount(index, minlength=self.n_experts + 1)
         self.load = load if self.load is None else self.load + load
 
     def take(self) -> torch.Tensor:
-        """The slots per expert since the last call (zeros if no forward ran), and reset."""
-        load = self.load if self.load is not None else torch.zeros(self.n_experts, dtype=torch.long, device=self.device)
+        """The slots each expert kept since the last call, then the slots dropped (n_experts + 1
+        counts; zeros if no forward ran), and reset."""
+        load = self.load if self.load is not None else torch.zeros(self.n_experts + 1, dtype=torch.long,
+                                                                   device=self.device)
         self.load = None
         return load
 
@@ -120,7 +152,8 @@ class ExpertLoads:
         self.steps.append(loads)
 
     def counts(self) -> dict[str, list[list[int]]]:
-        """Layer name -> per step, the slots each expert took on this rank (a host sync)."""
+        """Layer name -> per step, the slots each expert kept on this rank, then the slots dropped
+        over capacity (LoadCounter.take's columns; `kept_and_routed` reads them); a host sync."""
         if not self.steps:
             return {}
         per_step = torch.stack(self.steps).cpu()  # steps x layers x experts
@@ -140,28 +173,45 @@ def merge_counts(per_rank: list[dict[str, list[list[int]]]]) -> dict[str, list[l
     return merged
 
 
+def kept_and_routed(step: list[int]) -> tuple[list[int], int]:
+    """One step's counts of a layer (ExpertLoads.counts): the slots each expert kept, and the slots
+    routed, dropped ones included."""
+    return step[:-1], sum(step)
+
+
+def dropped_share(counts: dict[str, list[list[int]]]) -> float:
+    """Of the slots routed over every step and layer, the share dropped over capacity."""
+    routed = dropped = 0
+    for steps in counts.values():
+        for step in steps:
+            kept, total = kept_and_routed(step)
+            routed, dropped = routed + total, dropped + total - sum(kept)
+    return dropped / routed if routed else 0.0
+
+
 def step_imbalance(counts: dict[str, list[list[int]]], ranks: int | None = None) -> list[float]:
     """Per step, the layers' mean of busiest-over-mean: each layer's experts wait for its busiest
     one; with `ranks`, each layer's experts split into that many contiguous groups (expert
     parallelism's ranks, training/parallel/ep.py), each group's slots summed: the ranks wait for the
-    busiest."""
+    busiest. The mean is a balanced share of the slots routed (load_imbalance)."""
     if not counts:
         return []
     layers = list(counts.values())
-    return [sum(load_imbalance(_by_rank(layer[step], ranks)) for layer in layers) / len(layers)
-            for step in range(len(layers[0]))]
+    return [sum(load_imbalance(_by_rank(layer[step], ranks), kept_and_routed(layer[step])[1]) for layer in layers)
+            / len(layers) for step in range(len(layers[0]))]
 
 
-def _by_rank(load: list[int], ranks: int | None) -> list[int]:
-    """A layer's slots per expert summed over `ranks` contiguous groups of experts (ep's placement);
-    None: per expert."""
+def _by_rank(step: list[int], ranks: int | None) -> list[int]:
+    """A layer's kept slots per expert summed over `ranks` contiguous groups of experts (ep's
+    placement); None: per expert."""
+    load, _ = kept_and_routed(step)
     size = len(load) // ranks if ranks else 1
     return [sum(load[i:i + size]) for i in range(0, len(load), size)]
 
 
 def _degrees(counts: dict[str, list[list[int]]]) -> list[int]:
     """The expert-parallel degrees > 1 that divide every layer's experts."""
-    experts = {len(steps[0]) for steps in counts.values() if steps}
+    experts = {len(steps[0]) - 1 for steps in counts.values() if steps}
     return [ep for ep in range(2, min(experts, default=0) + 1) if all(n % ep == 0 for n in experts)]
 
 
@@ -188,7 +238,8 @@ def rank_held_imbalance(counts: dict[str, list[list[int]]]) -> dict[str, float]:
     layers = list(counts.values())
     for ep in _degrees(counts):
         per_step = [load_imbalance([sum(held) for held in zip(*(_by_rank(layer[step], ep) for layer in layers),
-                                                               strict=True)])
+                                                               strict=True)],
+                                   sum(kept_and_routed(layer[step])[1] for layer in layers))
                     for step in range(len(layers[0]))]
         if per_step:
             out[str(ep)] = max(per_step)

@@ -18,18 +18,17 @@ ceil(c x tokens x k / E) slots; the slots over it, latest tokens first, are drop
 keeps its other experts and the residual), as GShard and Switch do.
 
 On the meta device (the plan's counting) there are no router values: the slots are taken as
-spread evenly over the experts, so FLOPs count the active parameters, top-k experts a token.
+spread evenly over the experts, so FLOPs count the active parameters, top-k experts a token, and
+with a capacity factor below 1 each expert keeps its capacity of them (balanced routing's drops).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.contract.experts import group_by_expert, local_part
+from training.contract.experts import capacity, group_by_expert, local_part
 
 
 class AddAuxiliaryLoss(torch.autograd.Function):
@@ -53,13 +52,16 @@ class GroupedExperts(nn.Module):
     weights; out comes each token's weighted sum. Grouping the slots by expert is theirs to do, so
     expert parallelism (training/parallel/ep.py) can send each group to its expert's rank instead."""
 
-    def __init__(self, n_experts: int, d_model: int, hidden: int):
+    def __init__(self, n_experts: int, d_model: int, hidden: int, capacity_factor: float | None = None):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, d_model, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, d_model))
+        self.capacity_factor = capacity_factor
+        """The router's (MoE's): the contract's way for an experts module to say it is sent at most
+        that many slots an expert (group_by_expert on meta, the plan's imbalance bound)."""
 
     def forward(self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        slots = group_by_expert(top_k_index, local_part(self.w1).shape[0], tokens)
+        slots = group_by_expert(top_k_index, local_part(self.w1).shape[0], tokens, self.capacity_factor)
         routed = self.forward_grouped(tokens[slots.token], slots.counts)
         return slots.combine(routed, top_k_weights, tokens)
 
@@ -85,7 +87,7 @@ class MoE(nn.Module):
             raise ValueError(f"capacity_factor={capacity_factor} must be > 0, or null (no token dropping)")
         self.top_k, self.capacity_factor, self.aux_loss_coef = top_k, capacity_factor, aux_loss_coef
         self.router = nn.Linear(d_model, n_experts, bias=False)
-        self.experts = GroupedExperts(n_experts, d_model, hidden)
+        self.experts = GroupedExperts(n_experts, d_model, hidden, capacity_factor)
 
     @property
     def n_experts(self) -> int:
@@ -113,10 +115,10 @@ class MoE(nn.Module):
         (the index n_experts)."""
         if self.capacity_factor is None or chosen.is_meta:
             return chosen
-        capacity = math.ceil(self.capacity_factor * chosen.numel() / self.n_experts)
+        kept = capacity(self.capacity_factor, chosen.numel(), self.n_experts)
         flat = chosen.reshape(-1)
         one_hot = F.one_hot(flat, self.n_experts)
         place = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1)  # 1-based place in its expert's queue
-        return torch.where(place <= capacity, flat, self.n_experts).reshape(chosen.shape)
+        return torch.where(place <= kept, flat, self.n_experts).reshape(chosen.shape)
 
 

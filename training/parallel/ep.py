@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from training.contract.experts import group_by_expert, local_part
+from training.contract.experts import capacity_factor_of, group_by_expert, local_part
 from training.contract.spec import ExpertSite
 from training.parallel.dims import ParallelDims
 
@@ -151,7 +151,7 @@ class ExpertParallel:
             sizes = [len(part) for part in torch.arange(tokens.shape[0]).tensor_split(tp)]
             tokens, top_k_weights = (_TokenPart.apply(t, sizes, rank, group) for t in (tokens, top_k_weights))
             top_k_index = top_k_index.split(sizes)[rank]
-        slots = group_by_expert(top_k_index, self.site.n_experts, tokens)
+        slots = group_by_expert(top_k_index, self.site.n_experts, tokens, capacity_factor_of(self.module))
         routed = self.exchange(tokens[slots.token], slots.counts)
         out = slots.combine(routed, top_k_weights, tokens)
         return _TokenWhole.apply(out, sizes, rank, group) if tp > 1 else out

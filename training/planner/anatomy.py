@@ -31,6 +31,7 @@ from training.contract.calls import (
     model_loss,
     tokens_per_sample,
 )
+from training.contract.experts import capacity_factor_of, kept_share
 from training.contract.spec import ExpertSite, ModelSpec, model_spec, tp_divisors
 from training.memory import AuditRow, SavedActivations, memory_audit
 from training.planner.counting import FlopCount, fused_attention_on_meta
@@ -123,8 +124,10 @@ def expert_sites(model: nn.Module, spec: ModelSpec) -> list[ExpertSite]:
 def expert_flops_per_token(sites: list[ExpertSite], top_k: dict[str, int]) -> float:
     """Forward and backward FLOPs of one token through the routed experts: in each experts module,
     6 x the parameters of the `top_k[name]` experts it is sent to (2 FLOPs a parameter forward, 4
-    backward)."""
-    return sum(6 * top_k.get(s.name, 0) * count_params(s.module) / s.n_experts for s in sites)
+    backward), times the share of the slots a capacity factor below 1 keeps when routing is
+    balanced (what the meta count ran)."""
+    return sum(6 * top_k.get(s.name, 0) * count_params(s.module) / s.n_experts * kept_share(capacity_factor_of(s.module))
+               for s in sites)
 
 
 def _record_top_k(seen: dict[str, int], name: str) -> Callable[..., None]:
@@ -169,6 +172,7 @@ def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> 
     return Shape(
         experts=tuple(s.n_experts for s in sites),
         expert_params=sum(count_params(s.module) for s in sites),
+        capacity_factor=min((f for s in sites if (f := capacity_factor_of(s.module)) is not None), default=None),
         params=params,
         layers=len(spec.blocks),
         block_linear_params=split,

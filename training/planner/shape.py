@@ -68,6 +68,11 @@ class Shape:
     (the rest of a block is held as the other degrees say)."""
     top_k: int = 0
     """Experts each token is sent to in every MoE layer: its dispatch is top_k copies of `hidden`."""
+    capacity_factor: float | None = None
+    """The experts' capacity factor c (training/contract/experts.py capacity_factor_of): no expert
+    keeps more than c times a balanced expert's slots, so no rank holds or computes more than c
+    times a balanced rank's (Workload.imbalance_at); the meta count already keeps balanced
+    routing's share when c < 1. None: nothing dropped, no bound."""
     expert_flops_share: float = 0.0
     """Of the model's FLOPs, the share its routed experts compute: forward and backward, 6 x the
     active expert parameters (top_k of each layer's) per token over the FLOPs per token counted on

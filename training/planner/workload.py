@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from training.contract.experts import kept_share
 from training.parallel.dims import ParallelDims, expert_parallel_problem
 from training.planner.shape import Activations, Shape
 
@@ -59,10 +60,23 @@ class Workload:
     memory ruler's; an ep not in it is predicted balanced."""
 
     def imbalance_at(self, ep: int) -> float:
-        return dict(self.expert_imbalance).get(ep, 1.0) if ep > 1 else 1.0
+        """The busiest expert-parallel rank's slots over what the meta count gives a rank (balanced
+        routing, a capacity factor's drops included): the measured figure, bounded by the capacity
+        factor. 1.0 unmeasured or without expert parallelism."""
+        return self._over_counted(dict(self.expert_imbalance).get(ep)) if ep > 1 else 1.0
 
     def held_imbalance_at(self, ep: int) -> float:
-        return dict(self.expert_held_imbalance).get(ep, 1.0) if ep > 1 else 1.0
+        """imbalance_at's figure for what the busiest rank holds at the worst step (memory)."""
+        return self._over_counted(dict(self.expert_held_imbalance).get(ep)) if ep > 1 else 1.0
+
+    def _over_counted(self, measured: float | None) -> float:
+        """A measured imbalance (the busiest rank's kept slots over a balanced share of those
+        routed: training/contract/experts.py load_imbalance) over the share the meta count kept. No
+        expert keeps more than c times a balanced one's slots, so a rank's figure is at most c."""
+        if measured is None:
+            return 1.0
+        c = self.shape.capacity_factor
+        return min(measured, c) / kept_share(c) if c is not None else measured
 
     def expert_straggler(self, d: ParallelDims) -> float:
         """How much longer the busiest expert-parallel rank computes than the mean: its experts'
