@@ -75,9 +75,11 @@ def test_experts_split_over_the_two_halves_of_each_sequence_match_one_process(na
      StrategyConfig(name="hybrid", dp_shard=2, pp=2, ep=2, microbatches=2),
      StrategyConfig(name="hybrid", dp_shard=2, tp=2, ep=2),
      StrategyConfig(name="hybrid", dp_replicate=2, dp_shard=1, tp=2, ep=2),
-     StrategyConfig(name="hybrid", dp_shard=2, tp=2, ep=4)],
+     StrategyConfig(name="hybrid", dp_shard=2, tp=2, ep=4),
+     StrategyConfig(name="hybrid", dp_shard=1, cp=2, tp=2, ep=2),
+     StrategyConfig(name="hybrid", dp_shard=1, cp=2, tp=2, ep=4)],
     ids=["ddp4-ep2", "zero1-4-ep2", "fsdp4-ep2", "fsdp4-ep4", "fsdp2xcp2-ep2", "fsdp2xcp2-ep4", "pp2xfsdp2-ep2",
-         "fsdp2xtp2-ep2", "hsdp2xtp2-ep2", "fsdp2xtp2-ep4"],
+         "fsdp2xtp2-ep2", "hsdp2xtp2-ep2", "fsdp2xtp2-ep4", "cp2xtp2-ep2", "cp2xtp2-ep4"],
 )
 def test_experts_split_on_four_ranks_match_one_process(strategy):
     """At world 4: two expert groups of 2 whose replicas reduce the experts' gradients (DDP: by hand;
@@ -88,7 +90,9 @@ def test_experts_split_on_four_ranks_match_one_process(strategy):
     tokens they share, and an expert group is 2 neighbouring ranks: the TP pair) and ep=4 (one
     group of every rank, wider than the 2 data-parallel ranks); and context
     parallelism of 2 beside FSDP of 2, with ep=2 (two expert groups, each the halves of a sequence;
-    the experts FSDP-sharded over their 2 replicas) and ep=4 (one group of every rank)."""
+    the experts FSDP-sharded over their 2 replicas) and ep=4 (one group of every rank); and CP of 2
+    beside TP of 2 with no data parallelism, ep carved out of both: ep=2 (each CP half's TP pair)
+    and ep=4 (every rank)."""
     one, four = run(StrategyConfig(name="ddp"), 1, MOE), run(strategy, 4, MOE)
     assert four.ep == strategy.ep
     assert four.losses == pytest.approx(one.losses, **TOL)
