@@ -126,9 +126,9 @@ def test_a_module_kept_whole_in_a_split_region_and_a_familys_unused_entries(comp
         model_spec(gpt, weightless).tp_plan(gpt)
 
 
-def _step_all_reduces(model_cfg: ModelConfig, strategy: StrategyConfig) -> tuple[int, int]:
+def _step_all_reduces(model_cfg: ModelConfig, strategy: StrategyConfig, world: int = 2) -> tuple[int, int]:
     """All-reduces of one whole optimizer step (forward, backward, the gradients' sums, the clip,
-    AdamW) at tp=2 on a fake process group, rank 0: (in forward and backward, after them)."""
+    AdamW) on a fake process group of `world` ranks, rank 0: (in forward and backward, after them)."""
     from unittest import mock
 
     import torch.distributed as dist
@@ -139,7 +139,7 @@ def _step_all_reduces(model_cfg: ModelConfig, strategy: StrategyConfig) -> tuple
     from training.parallel.compose import build_optimizer, parallelize
     from training.step import optimizer_step
 
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
         model = build_model(model_cfg, 0)
         parallel = parallelize(model, model_spec(model, model_cfg), strategy, torch.device("cpu"), model_loss(model_cfg))
@@ -200,3 +200,42 @@ def test_the_trainers_gradient_sums_of_whole_modules_are_the_cost_models(compose
     assert after_without == 1 + sequence_parallel
     assert after - after_without == calls(shape.tp_whole_params) - calls(0) == 1 - sequence_parallel
     assert calls(shape.tp_whole_params) - calls(0, 0) == 1, "one sum a step, whatever needs it"
+
+
+
+def test_under_fsdp_each_whole_tensors_partial_gradient_is_summed_as_the_cost_model_counts(compose_cfg):
+    """Qwen3-MoE at FSDP 2 x TP 2 on a fake process group of 4: FSDP sums each whole tensor's
+    partial gradient over the TP ranks before its reduce-scatter, one all-reduce a tensor in
+    backward (its 4 q/k norms: 4 calls; under sequence parallelism also its 5 norms, while the 2
+    layers' attention all-reduces, forward and backward, become gathers and scatters: 5 - 4 more),
+    and nothing after backward sums them again (the clip's 3: its norm over the 2 x 2 mesh, summed
+    one dimension at a time, with or without them). The cost model counts the same calls."""
+    import dataclasses
+
+    from tests.unit.test_loss_parallel import _link
+    from training.parallel.dims import ParallelDims
+    from training.planner.anatomy import shape_of
+    from training.planner.comm import comm_time
+
+    cfg = compose_cfg("model=hf-qwen3-moe", "tracking=none").model
+    model = build_model(cfg, 0)
+    own = {f"model.{k}": v for k, v in model.config.base_model_tp_plan.items()}
+    without = dataclasses.replace(cfg, tp_plan={k: v for k, v in own.items() if not k.endswith("_norm") and ".mlp." not in k})
+    shape = shape_of(model, model_spec(model, cfg), 64, 16)
+    assert (shape.tp_whole_tensors, shape.sequence_norm_tensors) == (4, 5)
+
+    def calls(sequence_parallel: bool, whole: int, norms: int) -> int:
+        counted = dataclasses.replace(shape, tp_whole_params=whole and shape.tp_whole_params, tp_whole_tensors=whole,
+                                      sequence_norm_params=norms and shape.sequence_norm_params, sequence_norm_tensors=norms)
+        return comm_time(counted, "zero3", ParallelDims(dp_shard=2, tp=2), 2, 1, 1, "fp32", _link,
+                         sequence_parallel=sequence_parallel).calls
+
+    runs = {(sp, plan is cfg): _step_all_reduces(plan, StrategyConfig(name="hybrid", dp_shard=2, tp=2,
+                                                                      sequence_parallel=sp), 4)
+            for sp in (False, True) for plan in (cfg, without)}
+    for sp in (False, True):
+        (inside, after), (inside_without, after_without) = runs[sp, True], runs[sp, False]
+        assert inside - inside_without == 4 == calls(sp, 4, 5) - calls(sp, 0, 5), "one sum a q/k norm tensor"
+        assert after == after_without == 3
+    assert runs[True, False][0] - runs[False, False][0] == 5 - 4
+    assert calls(True, 0, 5) - calls(True, 0, 0) == 5, "one sum a norm tensor"

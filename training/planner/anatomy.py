@@ -178,6 +178,8 @@ def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> 
         block_linear_params=split,
         tp_whole_params=sum(count_params(m) for m in whole),
         sequence_norm_params=sum(count_params(m) for m in norms),
+        tp_whole_tensors=sum(len(list(m.parameters())) for m in whole),
+        sequence_norm_tensors=sum(len(list(m.parameters())) for m in norms),
         hidden=hidden,
         seq_len=positions,
         heads=heads,

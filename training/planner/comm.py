@@ -241,12 +241,18 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
         reduces = per_layer * (4 + (2 if recompute == "full" else 0))
         tp_s = call("all_reduce", activation * reduces, tp_group, reduces)
     whole = shape.tp_whole_params + (shape.sequence_norm_params if sequence_parallel else 0)
-    if whole and d.tp > 1 and not fsdp_wraps(strategy, d):
-        # Parameters kept whole beside split activations get partial gradients: summed over the
-        # TP ranks in one all-reduce a step (training/parallel/tp.py sum_partial_grads). Under
-        # FSDP its reduction sums them (not counted here).
-        held = stored  # the parameters' dtype without FSDP
-        tp_s += call("all_reduce", held * whole * layers / max(shape.layers, 1), tp_group)
+    if whole and d.tp > 1:
+        # Parameters kept whole beside split activations get partial gradients, summed over the TP
+        # ranks: without FSDP in one all-reduce a step, in the parameters' dtype
+        # (training/parallel/tp.py sum_partial_grads); under FSDP one all-reduce per tensor before
+        # its reduce-scatter, in the compute dtype FSDP unshards them in (measured, fake process
+        # group: tests/unit/test_parallel_options.py).
+        share = layers / max(shape.layers, 1)
+        if fsdp_wraps(strategy, d):
+            tensors = shape.tp_whole_tensors + (shape.sequence_norm_tensors if sequence_parallel else 0)
+            tp_s += call("all_reduce", dtype_bytes * whole * share, tp_group, math.ceil(tensors * share))
+        else:
+            tp_s += call("all_reduce", stored * whole * share, tp_group)
     if shape.head_params and d.tp > 1:
         # Loss parallelism (training/parallel/tp.py), per micro-batch on the last stage, measured:
         # forward all-reduces three fp32 values per position (the max, the sum of exponentials,

@@ -55,6 +55,12 @@ class Shape:
     """Parameters of the norms sequence parallelism runs by position (the plan's `sequence_parallel`
     entries). With `tp_whole_params`: gradients that are partial sums over the TP ranks, summed in
     one all-reduce a step where no FSDP does (training/parallel/tp.py sum_partial_grads)."""
+    tp_whole_tensors: int = 0
+    """The parameter tensors of `tp_whole_params`: FSDP sums each one's partial gradient over the
+    TP ranks in a call of its own before its reduce-scatter (FSDPParam._get_grad_inner_tensor
+    redistributes it to Replicate)."""
+    sequence_norm_tensors: int = 0
+    """The parameter tensors of `sequence_norm_params`, the same way."""
     head_params: int = 0
     """Parameters of the output head tensor parallelism splits by vocabulary, its logits kept
     split into the loss (training/parallel/tp.py); 0: the model has none it can split, and TP
