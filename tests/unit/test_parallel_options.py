@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from common.errors import ConfigError, ContractError
 from training.activations import measure_tp_split
@@ -126,9 +127,19 @@ def test_a_module_kept_whole_in_a_split_region_and_a_familys_unused_entries(comp
         model_spec(gpt, weightless).tp_plan(gpt)
 
 
-def _step_all_reduces(model_cfg: ModelConfig, strategy: StrategyConfig, world: int = 2) -> tuple[int, int]:
-    """All-reduces of one whole optimizer step (forward, backward, the gradients' sums, the clip,
-    AdamW) on a fake process group of `world` ranks, rank 0: (in forward and backward, after them)."""
+def _buckets_as_they_are(state, bucket):  # noqa: ANN001, ANN202 - unannotated: DDP checks a hook's annotations
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+def _step_all_reduces(model_cfg: ModelConfig, strategy: StrategyConfig, world: int = 2,
+                      collective: str = "all_reduce") -> tuple[int, int]:
+    """All-reduces (or `collective`'s calls of torch.distributed) of one whole optimizer step
+    (forward, backward, the gradients' sums, the clip, AdamW) on a fake process group of `world`
+    ranks, rank 0: (in forward and backward, after them). DDP's bucket all-reduces are left out:
+    the fake process group's futures carry no tensor, which DDP's reducer refuses, so a DDP-wrapped
+    model's buckets come back as they went."""
     from unittest import mock
 
     import torch.distributed as dist
@@ -143,9 +154,11 @@ def _step_all_reduces(model_cfg: ModelConfig, strategy: StrategyConfig, world: i
     try:
         model = build_model(model_cfg, 0)
         parallel = parallelize(model, model_spec(model, model_cfg), strategy, torch.device("cpu"), model_loss(model_cfg))
+        if isinstance(parallel.model, DistributedDataParallel):
+            parallel.model.register_comm_hook(None, _buckets_as_they_are)
         optimizer = build_optimizer(parallel, 1e-3, 0.0)
         tokens = torch.zeros(2, 16, dtype=torch.long)
-        plain = dist.all_reduce
+        plain = getattr(dist, collective)
         calls = [0]
 
         def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -153,16 +166,16 @@ def _step_all_reduces(model_cfg: ModelConfig, strategy: StrategyConfig, world: i
             return plain(*args, **kwargs)
 
         forward_backward = parallel.forward_backward
-        with _counting_collectives() as counts, mock.patch.object(dist, "all_reduce", counted):
+        with _counting_collectives() as counts, mock.patch.object(dist, collective, counted):
             def counting_forward_backward(*args):  # noqa: ANN002, ANN202
                 out = forward_backward(*args)
-                inside.append(counts["all_reduce"] + calls[0])
+                inside.append(counts[collective] + calls[0])
                 return out
 
             inside: list[int] = []
             parallel.forward_backward = counting_forward_backward
             optimizer_step(parallel, optimizer, [(tokens, tokens)], 1, 1.0, torch.device("cpu"))
-        return inside[0], counts["all_reduce"] + calls[0] - inside[0]
+        return inside[0], counts[collective] + calls[0] - inside[0]
     finally:
         dist.destroy_process_group()
 
@@ -239,3 +252,27 @@ def test_under_fsdp_each_whole_tensors_partial_gradient_is_summed_as_the_cost_mo
         assert after == after_without == 3
     assert runs[True, False][0] - runs[False, False][0] == 5 - 4
     assert calls(True, 0, 5) - calls(True, 0, 0) == 5, "one sum a norm tensor"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero1_broadcasts_each_share_as_the_cost_model_counts(precision):
+    """zero1 at world 4 with ep=2, on a fake process group: after the step each rank broadcasts
+    the dense share it updated over the 4 data-parallel ranks and the experts' share over their 2
+    replicas, one call a rank of each group (4 + 2), none in forward or backward; the cost model's
+    zero1 makes that many calls more than its ddp."""
+    from tests.unit.test_loss_parallel import _link
+    from training.parallel.dims import ParallelDims
+    from training.planner.anatomy import shape_of
+    from training.planner.comm import comm_time
+
+    moe = ModelConfig(name="gpt", kwargs=dict(vocab_size=256, d_model=32, n_layers=2, n_heads=4, seq_len=16,
+                                              n_experts=4, top_k=2))
+    inside, after = _step_all_reduces(moe, StrategyConfig(name="zero1", ep=2, precision=precision), 4, "broadcast")
+    assert (inside, after) == (0, 4 + 2)
+    model = build_model(moe, 0)
+    shape = shape_of(model, model_spec(model, moe), 32, 16)
+
+    def calls(strategy: str) -> int:
+        return comm_time(shape, strategy, ParallelDims(dp_replicate=4, ep=2), 2, 1, 1, precision, _link).calls
+
+    assert calls("zero1") - calls("ddp") == after
