@@ -235,11 +235,29 @@ def table_rows(runs: list[StudyRun]) -> list[dict[str, Any]]:
         })
         if varying:
             rows[-1]["variant"] = " ".join(f"{k}={run.facts.get(k)}" for k in varying)
+    if any(r.train is not None and r.train.expert_load for r in runs):
+        for run, row in zip(runs, rows, strict=True):
+            row.update(expert_columns(run.train))
     return rows
 
 
+def expert_columns(t: TrainResult | None) -> dict[str, Any]:
+    """A mixture of experts' columns: its expert-parallel degree and the routing imbalance it
+    measured at that degree (the busiest rank's slots over a balanced rank's, the steps' mean:
+    what the plan's prediction of a later run stretches the experts' compute by)."""
+    if t is None:
+        return {"ep": None, "rank imbalance": None}
+    return {"ep": t.ep, "rank imbalance": t.expert_rank_imbalance.get(str(t.ep)) if t.ep > 1 else None}
+
+
 def columns(rows: list[dict[str, Any]]) -> tuple[str, ...]:
-    return (*COLUMNS, "variant") if any("variant" in r for r in rows) else COLUMNS
+    """COLUMNS, with a mixture of experts' ep and imbalance after the layout, and a variant last
+    where there are any."""
+    out = COLUMNS
+    if any("ep" in r for r in rows):
+        at = out.index("layout") + 1
+        out = (*out[:at], "ep", "rank imbalance", *out[at:])
+    return (*out, "variant") if any("variant" in r for r in rows) else out
 
 
 def _cell(value: Any) -> str:

@@ -175,3 +175,19 @@ def test_runs_of_different_sizes_do_not_compete():
     assert sorted((r["devices"], r["measured rank"]) for r in rows) == [(2, 1), (2, 2), (4, 1)]
     (regret,) = regrets(latest_per_point(points(small, large, auto)))
     assert regret.ratio == 0.5 and regret.devices == 2
+
+
+def test_a_mixture_of_experts_study_has_an_ep_column_and_the_imbalance_it_measured():
+    """A study over strategy.ep=1,2 of a MoE model: each row's expert-parallel degree and, where the
+    experts were split, the rank imbalance measured at that degree; a dense study has neither."""
+    whole, split = summary("hybrid", 2, 1.0), summary("hybrid", 2, 2.0)
+    for s, ep in ((whole, 1), (split, 2)):
+        result = s["stages"]["train"]["result"]
+        result.update(ep=ep, expert_load={"layers.0": [5, 3]}, expert_rank_imbalance={"2": 1.25})
+        s["run"]["layout"] = "dp_shard2" + ("xep2" if ep > 1 else "")
+    rows = table_rows(latest_per_point(points(whole, split)))
+    assert [(r["ep"], r["rank imbalance"]) for r in rows] == [(1, None), (2, 1.25)]
+    header = table_text(rows).splitlines()[0].split()
+    assert header[header.index("layout") + 1:header.index("layout") + 4] == ["ep", "rank", "imbalance"]
+    dense = table_rows(latest_per_point(points(summary("ddp", 2, 1.0))))
+    assert "ep" not in dense[0] and "ep" not in table_text(dense).splitlines()[0].split()
