@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from training.expert_gemms import routed_rows
+
 GPT = "model=gpt-7b"  # the built-in GPT factory; its shape set by the row
 
 
@@ -106,6 +108,11 @@ def megatron_pp8(tp: int, ep: int, microbatches: int, ac: str) -> tuple[str, ...
             "strategy.pp_virtual_stages=4", f"strategy.activation_checkpointing={ac}")
 
 
+QWEN3_ROWS = {"tp2": routed_rows(1 * 4096 // 2, 8, 128, 32), "tp4": routed_rows(1 * 4096 // 4, 8, 128, 8)}
+"""Rows each expert's GEMMs run a micro-batch in the TP 2 EP 32 row (as in the FSDP 128 x TP 2 EP 8
+row's 4 x 4096 tokens over TP 2 at EP 8) and the TP 4 EP 8 row: a rank's routed tokens (micro-batch x
+sequence / tp) x top-k x ep over the experts."""
+
 SC21 = "Narayanan et al. 2021 (SC'21, arXiv 2104.04473), Table 1; MBS from examples/sc21/run_table_1.sh"
 MPT = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (2024-04), H100 80GB, bf16, FSDP"
 MPT_A100 = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (2024-04), A100 80GB, bf16, FSDP"
@@ -172,7 +179,11 @@ ROWS = [
     Published(MOE_ZOO, "Qwen3-235B-A22B, 256 H100, TP 4 PP 8 (VPP 4) DP 8, EP 8", qwen3_235b(megatron_pp8(4, 8, 256, "none")),
               2048 * 4096 / 29.0 / 256, "Megatron-Core MoE, H100",
               f"EDP 4, ETP 1, the distributed optimizer (zero1), MBS 1, no recomputation, 29.0 s a step (167 TFLOP/s); "
-              f"94 layers over 32 virtual stages (uneven there as here); {MOE_ZOO_NOTE}; Hugging Face's "
+              f"94 layers over 32 virtual stages (uneven there as here); {MOE_ZOO_NOTE}; each expert's GEMMs run "
+              f"{QWEN3_ROWS['tp4']:,} routed rows a micro-batch here against {QWEN3_ROWS['tp2']:,} in the two rows "
+              f"above (1 x 4096 tokens over TP 4, 8 slots a token, EP 8 of 128 experts), the small-expert loss "
+              f"the preset's one GEMM efficiency does not price (a plan on a real device measures it per ep and "
+              f"notes it; a what-if has no device to time); Hugging Face's "
               f"Qwen3-MoE layer saves 1.9 GB a sample per layer without recomputation here (its experts 1.15 GB: "
               f"every routed slot's input, gate/up output, activation and product), more than Megatron's grouped "
               f"GEMM with fused permutation: predicted not to fit"),
