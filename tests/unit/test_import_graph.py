@@ -183,6 +183,15 @@ def test_the_rulers_and_the_search_are_arithmetic_without_torch():
         if any(i == "torch" or i.startswith("torch.") for i in imports) and name not in counting:
             with_torch.append(name)
     assert with_torch == []
+    # And through what they import: a helper moved into a module that imports torch (a contract
+    # module, say) would make every cached re-run's driver import it (tests/integration/test_moe_e2e.py).
+    import subprocess
+    import sys
+
+    arithmetic = [f"training.planner.{name}" for name in planner_order() if name not in counting]
+    code = "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code, *arithmetic], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr
 
 
 MAX_LINES = 400

@@ -73,11 +73,6 @@ def capacity(capacity_factor: float, slots: int, n_experts: int) -> int:
     return math.ceil(capacity_factor * slots / n_experts)
 
 
-def kept_share(capacity_factor: float | None) -> float:
-    """Of the slots routed, the share balanced routing keeps under `capacity_factor` (None: all)."""
-    return 1.0 if capacity_factor is None else min(1.0, capacity_factor)
-
-
 def load_imbalance(tokens_per_expert: torch.Tensor | list[int], routed: float | None = None) -> float:
     """The most loaded expert's slots over the mean (1.0: balanced): what bounds an expert-parallel
     step, which waits for its busiest expert. `routed`: the slots routed, dropped ones included,

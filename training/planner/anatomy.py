@@ -31,11 +31,11 @@ from training.contract.calls import (
     model_loss,
     tokens_per_sample,
 )
-from training.contract.experts import capacity_factor_of, kept_share
+from training.contract.experts import capacity_factor_of
 from training.contract.spec import ExpertSite, ModelSpec, model_spec, tp_divisors
 from training.memory import AuditRow, SavedActivations, memory_audit
 from training.planner.counting import FlopCount, fused_attention_on_meta
-from training.planner.shape import Activations, Anatomy, Shape, extended
+from training.planner.shape import Activations, Anatomy, Shape, extended, kept_share
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 """The dtype a precision holds parameters in (fp8: bf16, each linear cast to Float8 inside its matmul)."""

@@ -17,6 +17,11 @@ BF16_PARAMS = ("bf16", "fp8")
 """Precisions whose parameters and gradients are bf16, beside the optimizer's fp32 masters."""
 
 
+def kept_share(capacity_factor: float | None) -> float:
+    """Of the slots routed, the share balanced routing keeps under `capacity_factor` (None: all)."""
+    return 1.0 if capacity_factor is None else min(1.0, capacity_factor)
+
+
 @dataclass(frozen=True)
 class Shape:
     """What the cost model needs to know of a model, measured from the built module

@@ -8,9 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from training.contract.experts import kept_share
 from training.parallel.dims import ParallelDims, expert_parallel_problem
-from training.planner.shape import Activations, Shape
+from training.planner.shape import Activations, Shape, kept_share
 
 if TYPE_CHECKING:
     from training.config import StrategyConfig
