@@ -29,7 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from training.memory import SavedActivations, packed
 from training.planner.shape import Activations
@@ -62,6 +64,13 @@ class TpSplit:
     """The part saved inside the mixture-of-experts layers (router, experts, combine: the experts
     modules' parents), `experts_bytes` among them: whole on every TP rank under sequence
     parallelism too, which hands those layers whole tokens (training/parallel/tp.py)."""
+    weight_output_bytes: int = 0
+    """The outputs of the ops that take a weight beside an activation (a linear's, a norm's):
+    what a split-backward pipeline schedule keeps the gradients of from a microbatch's
+    input-gradient pass to its weight pass (WeightOutputs)."""
+    tail_weight_output_bytes: int = 0
+    """Of `weight_output_bytes`, the part after the blocks but the head's logits (the final norm's):
+    the last pipeline stage's beside the loss's temporaries."""
     block_backward_bytes: int = 0
     """The most a block's backward allocated beside what it was given and the weight gradients,
     for the whole batch (BackwardTemporaries); not in `per_sample`: part of it is per sample (its
@@ -78,7 +87,9 @@ class TpSplit:
         return Activations(saved=self.saved_bytes / samples + temps, tp_replicated=self.replicated_bytes / samples + temps,
                            outside_blocks=self.outside_blocks_bytes / samples, loss_temp=temps,
                            sp_replicated=sequence / samples + temps, head=self.head_bytes / samples,
-                           experts=self.experts_bytes / samples, moe=self.moe_bytes / samples)
+                           experts=self.experts_bytes / samples, moe=self.moe_bytes / samples,
+                           weight_outputs=self.weight_output_bytes / samples,
+                           tail_weight_outputs=self.tail_weight_output_bytes / samples)
 
 OPENS = ("colwise",)
 """Styles whose output is split: a split region starts after them (not `colwise_rep`/`_gather`,
@@ -127,8 +138,9 @@ def measure_tp_split(model: nn.Module, plan: dict[str, str], run: Callable[[], t
             handles.append(module.register_forward_hook(lambda m, a, o, opened=opened: inside.__setitem__(0, opened)))
             handles += _flagging(module, opening if opened else closing)
     temporaries = BackwardTemporaries(model, blocks)
+    weights = WeightOutputs(depth)
     try:
-        with saved:
+        with saved, weights:
             loss = run()
         with temporaries:
             loss.backward()
@@ -145,7 +157,7 @@ def measure_tp_split(model: nn.Module, plan: dict[str, str], run: Callable[[], t
     in_experts = sum(n for k, n in saved.sizes.items() if k in saved.expert_keys and k not in split_keys)
     in_moe = sum(n for k, n in saved.sizes.items() if k in saved.moe_keys and k not in split_keys)
     return TpSplit(total, whole, outside, 2 * 4 * sum(outputs), unsplit, after_head, in_experts, in_moe,
-                   temporaries.block_peak)
+                   weights.bytes, weights.after_blocks_but_the_head, temporaries.block_peak)
 
 
 def _parents(model: nn.Module, modules: list[nn.Module] | tuple) -> list[nn.Module]:
@@ -183,6 +195,42 @@ def _numel(output: object) -> int:
         return _numel(output[0])
     logits = getattr(output, "logits", None)
     return logits.numel() if isinstance(logits, torch.Tensor) else 0
+
+
+class WeightOutputs(TorchFunctionMode):
+    """Bytes of the outputs of the ops that take a trainable parameter beside an activation that
+    requires a gradient (a linear, a norm, a weight multiplied in), and of those run after the
+    blocks (`depth` counts the blocks running; none has run yet while `after_blocks` is 0 and the
+    blocks are before). torch's input-gradient pass (pipelining's stage_backward_input) keeps the
+    gradient of each such output until the weight pass: they are where a weight's gradient
+    branches off the activations'. An embedding's indices need no gradient: not counted."""
+
+    def __init__(self, depth: list[int]):
+        super().__init__()
+        self.depth, self.bytes, self.after_blocks, self._blocks_seen, self._last = depth, 0, 0, False, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = tree_leaves((args, kwargs or {}))
+        weighted = any(isinstance(a, nn.Parameter) and a.requires_grad for a in leaves)
+        if weighted and any(isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter) and a.requires_grad
+                            for a in leaves):
+            n = sum(t.numel() * t.element_size() for t in tree_leaves(out)
+                    if isinstance(t, torch.Tensor) and t.requires_grad)
+            self.bytes += n
+            inside = self.depth[0] > 0
+            self._blocks_seen |= inside
+            if self._blocks_seen and not inside:
+                self.after_blocks += n
+                self._last = n
+        return out
+
+    @property
+    def after_blocks_but_the_head(self) -> int:
+        """`after_blocks` without the last op's (the head's logits): the gradient of the model's
+        output is the loss's own temporary, which the memory ruler counts with each of the last
+        stage's microbatches in flight (Activations.loss_temp)."""
+        return self.after_blocks - self._last
 
 
 def backward_temporaries(model: nn.Module, blocks: list[nn.Module] | tuple, run: Callable[[], torch.Tensor]) -> int:

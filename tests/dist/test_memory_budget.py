@@ -246,15 +246,20 @@ def test_the_memory_ruler_predicts_every_pipeline_schedule(tmp_path):
     microbatches, and the receive buffers torch's stages keep for every microbatch; a block's
     backward holds its activations' gradients beside them.
 
+    The split-backward schedules (zero_bubble, zbv, dualpipev) keep, for each microbatch whose
+    weight pass waits, the gradients of the outputs where its stage's weights meet the activations
+    (planner/pipeline.waiting_weight_passes, from torch's action tables).
+
     Measured: gpipe (m=4) 1.07, 1f1b (m=2, 4) 1.05 and 0.98, interleaved_1f1b 0.95, zero_bubble
-    0.92, zbv 0.81, dualpipev 0.90 (m=4, two stages a rank). 1F1B was 0.73 and 0.68 before six
-    fixes: the gradients counted; a block's backward counted; the receive buffers counted; the
-    first rank's extra microbatch gone (torch's schedule infers shapes with a forward it never
-    backwards, and the step probe's saved-tensor hook kept that graph alive for the run:
-    training/memory.py packed); the last rank's logits of every microbatch gone (kept by the
+    1.06, zbv 0.88, dualpipev 0.90 (m=4, two stages a rank); the split-backward ones were 0.92, 0.81
+    and 0.90 before the waiting passes' gradients were counted (~0.4 MB of ZB-V's 6.6 here). 1F1B was
+    0.73 and 0.68 before six fixes: the gradients counted; a block's backward counted; the receive
+    buffers counted; the first rank's extra microbatch gone (torch's schedule infers shapes with a
+    forward it never backwards, and the step probe's saved-tensor hook kept that graph alive for the
+    run: training/memory.py packed); the last rank's logits of every microbatch gone (kept by the
     schedule unless step(return_outputs=False)); the counts re-measured without the probe's cycle.
-    Not counted, so below 1: the zero-bubble schedules (zero_bubble, zbv, dualpipev) keep each
-    input-gradient pass's output gradients until its weight pass runs (~1.2 MB of zbv's 6.6 here)."""
+    Not found: the rest of ZB-V's and DualPipeV's first rank (~0.6 MB of 6.6), which holds both
+    ends of the V; so those two are held to 0.85."""
     layouts = {"gpipe": (4, 1), "1f1b-m2": (2, 1), "1f1b": (4, 1), "interleaved_1f1b": (4, 2), "zero_bubble": (4, 2),
                "zbv": (4, 2), "dualpipev": (4, 2)}
     ratios = {}
@@ -262,9 +267,9 @@ def test_the_memory_ruler_predicts_every_pipeline_schedule(tmp_path):
         strategy = StrategyConfig(name="pp", pp_schedule=name.split("-")[0], microbatches=m, pp_virtual_stages=v)
         predicted, measured = predicted_and_measured(strategy, 2, tmp_path / name)
         ratios[name] = predicted / measured
-    split_backward = ("zero_bubble", "zbv", "dualpipev")
-    assert all(0.9 <= r <= 1.1 for name, r in ratios.items() if name not in split_backward), ratios
-    assert all(0.75 <= ratios[name] <= 1.0 for name in split_backward), ratios
+    v_shaped = ("zbv", "dualpipev")
+    assert all(0.9 <= r <= 1.1 for name, r in ratios.items() if name not in v_shaped), ratios
+    assert all(0.85 <= ratios[name] <= 1.1 for name in v_shaped), ratios
 
 
 @pytest.mark.slow

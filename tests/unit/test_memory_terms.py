@@ -235,3 +235,25 @@ def test_the_optimizer_steps_each_parameter_once_however_many_chunks():
     for p, q in zip(model.parameters(), plain.param_groups[0]["params"], strict=True):
         assert torch.equal(p, q)
     assert all(state["step"] == 1 for state in chunked.state.values())
+
+
+def test_the_outputs_where_weights_meet_the_activations_are_counted_per_layer_and_after_the_blocks():
+    """What a split-backward pipeline schedule keeps the gradients of until a microbatch's weight
+    pass (training/activations.py WeightOutputs), in bf16: per block the two norms' outputs (h
+    each), q, k, v and attention's output projection (h each), the MLP's 4h hidden and its output
+    (h): 11 h, 22 bytes a token; after the blocks the final norm's (h) and the head's logits (4h),
+    10 bytes a token and h, of which the last stage's part beside the loss's temporaries (the
+    logits' gradient is one) is the final norm's, 2. The embeddings' indices need no gradient."""
+    def weight_outputs(layers: int):
+        cfg = gpt(layers)
+        with torch.device("meta"):
+            model = build_model(cfg, 0).to(torch.bfloat16)
+        x = torch.zeros(B, S, dtype=torch.long, device="meta")
+        with fused_attention_on_meta():
+            return measure_tp_split(model, {}, lambda: batch_loss(model, (x, x), model_loss(cfg)),
+                                    blocks=[b.module for b in model_spec(model, cfg).blocks])
+
+    two, three = weight_outputs(2), weight_outputs(3)
+    assert (three.weight_output_bytes - two.weight_output_bytes) / SBH == 22
+    assert three.tail_weight_output_bytes / SBH == two.tail_weight_output_bytes / SBH == 2
+    assert three.weight_output_bytes == 3 * 22 * SBH + 10 * SBH

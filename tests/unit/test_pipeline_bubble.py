@@ -50,3 +50,31 @@ def test_below_a_full_pipeline_the_cost_model_reads_torchs_tables(schedule, pp, 
 def test_a_schedule_without_a_table_is_refused():
     with pytest.raises(ValueError, match="1f1b runs no action table"):
         table_bubble("1f1b", 4, 8, 1)
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble", "zbv", "dualpipev"])
+def test_the_weight_passes_waiting_at_each_ranks_peak_are_torchs_tables(schedule):
+    """planner/pipeline.waiting_weight_passes' closed forms against torch's own action tables
+    played in each rank's order (bubble.waiting_points), over pp 2-8, full pipelines, v 2-4."""
+    from training.parallel.bubble import waiting_points
+    from training.planner.pipeline import waiting_weight_passes
+
+    for pp in (2, 3, 4, 8):
+        for m in (pp, 2 * pp, 4 * pp):
+            for v in ((2, 3, 4) if schedule == "zero_bubble" else (2,)):
+                if m < pp * (2 if schedule != "zero_bubble" else 1):
+                    continue
+                closed = tuple(tuple(sorted(tuple(at) for at in rank)) for rank in waiting_weight_passes(schedule, pp, m, v))
+                assert closed == waiting_points(schedule, pp, m, v), (schedule, pp, m, v)
+
+
+def test_the_weight_passes_waiting_by_hand():
+    """pp=2, m=4, v=2, in stage units: interleaved zero bubble's first rank peaks with 2 stages in
+    flight, one chunk (half a stage) waiting; its last with 2 in flight, both its chunks' waiting,
+    the last stage's (2 microbatches). ZB-V's bottom rank also peaks with 1.5 in flight, all waiting.
+    A schedule that doesn't split backward waits for nothing."""
+    from training.planner.pipeline import Waiting, waiting_weight_passes
+
+    assert waiting_weight_passes("zero_bubble", 2, 4, 2) == ((Waiting(2, 0.5, 0),), (Waiting(2, 1.0, 2),))
+    assert waiting_weight_passes("zbv", 2, 4, 2)[1] == (Waiting(2, 0.5, 0), Waiting(1.5, 1.5, 0))
+    assert waiting_weight_passes("1f1b", 2, 4) == ((Waiting(2, 0, 0),), (Waiting(1, 0, 0),))

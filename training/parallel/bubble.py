@@ -101,3 +101,31 @@ def _tables(schedule: str, pp: int, microbatches: int, virtual: int) -> dict[int
                     passes.append((one.stage_index, kind, one.microbatch_index))
         tables[rank] = passes
     return tables
+
+
+@functools.lru_cache(maxsize=1024)
+def waiting_points(schedule: str, pp: int, microbatches: int,
+                   virtual: int) -> tuple[tuple[tuple[float, float, float], ...], ...]:
+    """planner/pipeline.waiting_weight_passes read from the tables: the first and the last rank's
+    (in flight, weight passes waiting, the last stage's of them) after each of its actions, in
+    stage units, the points no other point is above in all three."""
+    actions = _tables(schedule, pp, microbatches, virtual)
+    last = pp * virtual - 1
+    rows = []
+    for rank in (0, pp - 1):
+        forwarded: set[tuple[int, int]] = set()
+        waiting: set[tuple[int, int]] = set()
+        points = set()
+        for stage, kind, mb in actions[rank]:
+            if kind == "F":
+                forwarded.add((stage, mb))
+            elif kind == "I":
+                waiting.add((stage, mb))
+            else:  # a full backward or a weight pass ends the microbatch's stay
+                forwarded.discard((stage, mb))
+                waiting.discard((stage, mb))
+            points.add((len(forwarded) / virtual, sum(s > 0 for s, _ in waiting) / virtual,
+                               sum(s == last for s, _ in waiting)))
+        rows.append(tuple(sorted(p for p in points if not any(q != p and all(a >= b for a, b in zip(q, p, strict=True))
+                                                                for q in points))))
+    return rows[0], rows[1]

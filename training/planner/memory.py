@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from training import strategies
 from training.parallel.dims import ParallelDims
-from training.parallel.schedules import stage_blocks
-from training.planner.pipeline import in_flight, receive_buffers
+from training.parallel.schedules import V_SHAPED, stage_blocks
+from training.planner.pipeline import Waiting, in_flight, receive_buffers, waiting_weight_passes
 from training.planner.shape import BF16_PARAMS, COMPUTE_BYTES, Shape
 from training.planner.workload import Workload
 
@@ -233,8 +233,7 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
     microbatches in flight there (GPipe m, zero bubble min(m, p), the others one); the higher of
     the first and the last stage. Under expert parallelism the busiest rank's: its experts keep the
     slots routed to them, the measured routing imbalance of what ranks hold times a balanced rank's."""
-    held = stage_activations(w, d)
-    return max(held.first, held.last)
+    return stage_activations(w, d).peak
 
 
 @dataclass(frozen=True)
@@ -245,6 +244,12 @@ class StageActivations:
     """The activations of the rank holding the last stage, the loss's temporaries included."""
     share: float
     """Of a sample's activations, the part one rank keeps under TP and CP."""
+    middle: float = 0.0
+    """Under a V-shaped schedule, the bottom of the V's (rank p − 1, holding neither end); 0 otherwise."""
+
+    @property
+    def peak(self) -> float:
+        return max(self.first, self.last, self.middle)
 
 
 def stage_activations(w: Workload, d: ParallelDims) -> StageActivations:
@@ -289,11 +294,27 @@ def stage_activations(w: Workload, d: ParallelDims) -> StageActivations:
     boundary = (per_micro * w.shape.seq_len * w.shape.hidden * (dtype if w.precision in BF16_PARAMS else 4)
                 / d.cp / (d.tp if w.sequence_parallel else 1))
     first_buffers, last_buffers = receive_buffers(w.pp_schedule, w.microbatches, w.pp_virtual_stages)
-    # The rank holding the last stage (the last, or the first under a V: the higher covers both,
-    # their blocks' counts being equal) holds its blocks' microbatches and the last stage's part's.
-    return StageActivations(per_micro * (blocks * held.first + recomputing_kv) + mask + boundary * first_buffers,
-                            per_micro * (blocks * held.last + ends * held.ends + recomputing_kv) + mask
-                            + boundary * last_buffers, share)
+    # A split-backward schedule keeps, for each microbatch whose weight pass waits, the gradients of
+    # the outputs where its stage's weights meet the activations (planner/pipeline.waiting_weight_passes),
+    # split as the activations are; the last stage's also its final norm's (its logits' gradient is
+    # the loss's temporary, in `ends`).
+    waits = (a.weight_outputs - a.tail_weight_outputs) * share * layers / max(w.shape.layers, 1)
+    waits_ends = a.tail_weight_outputs * share
+    first_points, last_points = waiting_weight_passes(w.pp_schedule, d.pp, w.microbatches, w.pp_virtual_stages)
+
+    def peak(points: tuple[Waiting, ...], ends_held: float, buffers: float) -> float:
+        """A rank's highest point: its blocks' microbatches in flight, the last stage's part for
+        `ends_held` of them where it holds that stage, and the gradients its waiting passes keep."""
+        return max(per_micro * (blocks * at.in_flight + ends * ends_held + waits * at.waiting
+                                + (waits_ends * at.waiting_ends if ends_held else 0.0) + recomputing_kv)
+                   for at in points) + mask + boundary * buffers
+
+    if w.pp_schedule in V_SHAPED:
+        # Rank 0 holds both ends of the V (`first` without the last stage's part, `last` with it);
+        # rank p − 1 its bottom, whose weight passes wait longest.
+        return StageActivations(peak(first_points, 0.0, first_buffers), peak(first_points, held.ends, last_buffers),
+                                share, peak(last_points, 0.0, first_buffers))
+    return StageActivations(peak(first_points, 0.0, first_buffers), peak(last_points, held.ends, last_buffers), share)
 
 
 def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:
@@ -305,7 +326,7 @@ def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:
     # gone the rank holding the last stage may hold less than the first: the peak then is the first's.
     temps = w.loss_temps(d) * samples / d.cp
     if d.pp > 1:
-        temps = max(0.0, min(temps, held.last - held.first))
+        temps = max(0.0, min(temps, held.last - max(held.first, held.middle)))
     layout = layout_memory(w.shape, strategy, d, w.precision)
     # A pipeline schedule that runs a microbatch's backward before the last forward (all but GPipe)
     # reaches its peak with the stage's gradients made by the first backward still held: 1F1B's
@@ -318,7 +339,7 @@ def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:
     # 1.05, zero1 1.10 -> 1.06).
     a = w.activations
     backward = a.block_backward * samples * held.share + a.block_backward_fixed / d.ep  # ep > 1 only with experts
-    return dataclasses.replace(layout, activation_bytes=max(held.first, held.last), loss_temp_bytes=temps,
+    return dataclasses.replace(layout, activation_bytes=held.peak, loss_temp_bytes=temps,
                                working_bytes=layout.working_bytes + backward,
                                grads_in_backward=layout.grads_in_backward if early is None else early)
 

@@ -91,3 +91,50 @@ def receive_buffers(schedule: str, microbatches: int, virtual: int = 1) -> tuple
     if schedule in V_SHAPED:
         return 2 * m, 2 * m
     return (2 * virtual - 1) * m, (2 * virtual - 1) * m
+
+
+class Waiting(NamedTuple):
+    """A point a split-backward schedule's rank may peak at: its microbatches in flight and, of
+    them, those whose weight pass waits (input gradients done), in units of one microbatch through
+    one stage of a one-stage-per-rank pipeline."""
+
+    in_flight: float
+    waiting: float
+    """Weight passes waiting, the first stage's not counted: torch runs the first stage's whole
+    backward in its weight pass (its input needs no gradient), so it holds nothing meanwhile."""
+    waiting_ends: float
+    """Of the waiting passes, the last stage's, in microbatches: each also keeps the gradients of
+    the head's and the final norm's outputs (a language model's logits)."""
+
+
+def waiting_weight_passes(schedule: str, pp: int, microbatches: int,
+                          virtual: int = 1) -> tuple[tuple[Waiting, ...], tuple[Waiting, ...]]:
+    """The points the first rank and the last rank (pp − 1) may peak at under a split-backward
+    schedule (ZERO_BUBBLE); one point, nothing waiting, for the others. torch's input-gradient
+    pass (stage_backward_input) keeps, until the weight pass, the gradient of each op's output
+    where a weight meets the activations (a linear's, a norm's), so a waiting pass holds those
+    beside its activations. Read from torch's own action tables, played in each rank's order
+    (training/parallel/bubble.py waiting_points), once the pipeline is full (m >= p looped,
+    m >= 2p a V; tests/unit/test_pipeline_bubble.py holds these to the tables):
+
+    - zero_bubble: rank r peaks with its k·v chunks in flight, r + 1 of them waiting; the last
+      rank's are all the last stage's.
+    - zbv: every rank with 2p chunks in flight, one waiting (rank 0's: the last stage's); rank
+      p − 1 also with 2p − 1 in flight, all waiting (the bottom of the V, its backwards done last).
+    - dualpipev: rank 0 with 2p in flight, one waiting (the last stage's), or 2p + 1, none; rank
+      p − 1 with 2p + 1 in flight, none, or p, all waiting.
+    Below a full pipeline the tables themselves are read."""
+    m, p, v = microbatches, pp, virtual
+    if schedule not in ZERO_BUBBLE or p <= 1:
+        held = in_flight(schedule, p, m, v)
+        return (Waiting(held.first, 0.0, 0.0),), (Waiting(held.last, 0.0, 0.0),)
+    if m < p * (2 if schedule in V_SHAPED else 1):
+        from training.parallel.bubble import waiting_points
+
+        first, last = waiting_points(schedule, p, m, v)
+        return tuple(Waiting(*at) for at in first), tuple(Waiting(*at) for at in last)
+    if schedule == "zero_bubble":
+        return (Waiting(p, 1 / v, 0),), (Waiting(p, p / v, p),)
+    if schedule == "zbv":
+        return (Waiting(p, 0.5, 1),), (Waiting(p, 0.5, 0), Waiting(p - 0.5, p - 0.5, 0))
+    return (Waiting(p, 0.5, 1), Waiting(p + 0.5, 0, 0)), (Waiting(p + 0.5, 0, 0), Waiting(p / 2, p / 2, 0))

@@ -131,6 +131,13 @@ class Activations:
     moe: float = 0.0
     """Of `saved`, what the mixture-of-experts layers save (router, experts, combine; `experts` among
     it): whole on every TP rank under sequence parallelism too, which hands them whole tokens."""
+    weight_outputs: float = 0.0
+    """Not saved: the bytes of the outputs of the ops where a weight meets the activations (a
+    linear's, a norm's), whose gradients a split-backward pipeline schedule keeps from a
+    microbatch's input-gradient pass to its weight pass (training/activations.py WeightOutputs)."""
+    tail_weight_outputs: float = 0.0
+    """Of `weight_outputs`, those after the blocks but the head's logits (whose gradient is the
+    loss's temporary, `loss_temp`): the final norm's, on the last stage."""
     block_backward: float = 0.0
     """Not saved, made by backward: per sample, what one block's backward holds while it runs (its
     activations' gradients; training/activations.py BackwardTemporaries), beside the rest of the
