@@ -159,3 +159,11 @@ def test_the_last_stage_holds_its_share_of_the_head_and_each_stage_its_own_block
     assert params_per_rank(SHAPE, ParallelDims(tp=2)) == 300 + (200 - 90) + blocks
     per_block = blocks / 4
     assert params_per_rank(SHAPE, ParallelDims(tp=2, pp=3)) == max(300 + per_block, per_block, 2 * per_block + 110)
+
+
+def test_a_v_shaped_schedule_puts_both_ends_on_the_first_rank():
+    """ZB-V and DualPipeV cut the four blocks into 2p stages and give rank r stages r and 2p − 1 − r:
+    at pp=2 each rank holds two blocks, rank 0 the embeddings (300) and the head's share (110) too."""
+    per_block = ((1500 - 800) + 800 / 2) / 4
+    assert params_per_rank(SHAPE, ParallelDims(tp=2, pp=2), v_shaped=True) == 300 + 110 + 2 * per_block
+    assert params_per_rank(SHAPE, ParallelDims(tp=2, pp=2)) == 300 + 2 * per_block

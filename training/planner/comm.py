@@ -153,15 +153,16 @@ def fsdp_units(shape: Shape) -> int:
 def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, grad_accum: int, microbatches: int,
               precision: str, link: Callable[[str, Group], Link], bucket_cap_bytes: float = 25 * 1024**2,
               clip: bool = False, devices_per_node: int | None = None, sequence_parallel: bool = False,
-              recompute: str = "none", virtual: int = 1, imbalance: float = 1.0) -> Comm:
+              recompute: str = "none", virtual: int = 1, imbalance: float = 1.0, v_shaped: bool = False) -> Comm:
     """Per-step communication of each strategy in seconds (ZeRO's, Megatron's and GPipe's
     volumes, in the calls each implementation makes: every call pays the link's latency, which is
     what dominates a small model or a slow link); `link(collective, group)` is the α–β model of
     that collective over that group, on the tier it crosses (Hardware.link). Each collective runs
     over its own mesh dimension's group (group_of) on nodes of `devices_per_node` ranks.
     `imbalance`: the busiest expert-parallel rank's routed tokens over the mean rank's
-    (Workload.imbalance_at)."""
-    dense, expert_psi = stage_params(shape, d)
+    (Workload.imbalance_at); `v_shaped`: a V-shaped pipeline schedule, whose rank 0 holds both ends
+    (memory.stage_params)."""
+    dense, expert_psi = stage_params(shape, d, v_shaped)
     split_experts = d.ep > 1 and expert_psi > 0  # then the experts' traffic goes over their replicas
     psi = dense if split_experts else dense + expert_psi
     dtype_bytes = COMPUTE_BYTES[precision]

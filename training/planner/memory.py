@@ -73,17 +73,18 @@ class Memory:
         return max(held, held - self.loss_temp_bytes + self.working_bytes, self.states + self.tail_bytes)
 
 
-def params_per_rank(shape: Shape, d: ParallelDims) -> float:
+def params_per_rank(shape: Shape, d: ParallelDims, v_shaped: bool = False) -> float:
     """Parameters one rank holds before data-parallel sharding: TP splits the block linears and
     the head; EP the experts; PP gives each stage its run of blocks (training/parallel/schedules.py),
-    the first stage the embeddings and the last the head: the fullest stage's."""
-    return sum(stage_params(shape, d))
+    the first stage the embeddings and the last the head: the fullest rank's."""
+    return sum(stage_params(shape, d, v_shaped))
 
 
-def stage_params(shape: Shape, d: ParallelDims) -> tuple[float, float]:
-    """(the rest, the experts) of what one rank of the fullest pipeline stage holds before
-    data-parallel sharding: its blocks' dense parameters with TP's split, its E/ep experts of each
-    MoE layer, and its end's embeddings or head. Blocks are taken as equal (experts spread evenly)."""
+def stage_params(shape: Shape, d: ParallelDims, v_shaped: bool = False) -> tuple[float, float]:
+    """(the rest, the experts) of what the fullest pipeline rank holds before data-parallel
+    sharding: its blocks' dense parameters with TP's split, its E/ep experts of each MoE layer, and
+    its ends' embeddings or head. Blocks are taken as equal (experts spread evenly). `v_shaped`: a
+    V-shaped schedule's two stages a rank (r and 2p − 1 − r of 2p), rank 0 holding both ends."""
     linears = shape.block_linear_params
     blocks = shape.params - shape.first_stage_params - shape.last_stage_params
     dense = (blocks - shape.expert_params - linears) + linears / d.tp
@@ -92,8 +93,10 @@ def stage_params(shape: Shape, d: ParallelDims) -> tuple[float, float]:
     if d.pp == 1:
         return first + last + dense, experts
     layers = list(range(shape.layers))
-    count = [len(stage_blocks(layers, i, d.pp)) / max(shape.layers, 1) for i in range(d.pp)]
-    ends = [first, *[0.0] * (d.pp - 2), last]
+    stages = 2 * d.pp if v_shaped else d.pp
+    held = [(r, stages - 1 - r) if v_shaped else (r,) for r in range(d.pp)]
+    count = [sum(len(stage_blocks(layers, s, stages)) for s in held[r]) / max(shape.layers, 1) for r in range(d.pp)]
+    ends = [(first if 0 in held[r] else 0.0) + (last if stages - 1 in held[r] else 0.0) for r in range(d.pp)]
     i = max(range(d.pp), key=lambda k: count[k] * (dense + experts) + ends[k])
     return count[i] * dense + ends[i], count[i] * experts
 
@@ -155,32 +158,34 @@ def states_per_param(strategy: str, d: ParallelDims, precision: str, reshard: bo
     return MASTER_BYTES + autocast_copies, MASTER_BYTES, MOMENT_BYTES / sharded
 
 
-def state_memory(shape: Shape, strategy: str, d: ParallelDims, precision: str, reshard: bool = True) -> Memory:
+def state_memory(shape: Shape, strategy: str, d: ParallelDims, precision: str, reshard: bool = True,
+                 v_shaped: bool = False) -> Memory:
     """Parameters, gradients and optimizer state of one rank (states_per_param x its parameters);
     under expert parallelism with FSDP or zero1 the experts sharded over their replicas, the rest as usual."""
-    dense, experts = stage_params(shape, d)
+    dense, experts = stage_params(shape, d, v_shaped)
     p, g, o = states_per_param(strategy, d, precision, reshard)
     pe, ge, oe = (states_per_param(strategy, d, precision, reshard, expert_replicas(d)) if d.ep > 1
                   else (p, g, o))
     return Memory(p * dense + pe * experts, g * dense + ge * experts, o * dense + oe * experts, 0)
 
 
-def _unit_params(shape: Shape, d: ParallelDims) -> tuple[float, float]:
+def _unit_params(shape: Shape, d: ParallelDims, v_shaped: bool = False) -> tuple[float, float]:
     """(a block's parameters on this rank, split by TP and its experts by EP; the root unit's:
-    embeddings and head, or the heavier end on a pipeline stage)."""
+    embeddings and head, or the heavier end on a pipeline stage, both on a V's rank 0)."""
     block = (shape.params - shape.first_stage_params - shape.last_stage_params) / max(shape.layers, 1)
     block -= shape.block_linear_params / max(shape.layers, 1) * (1 - 1 / d.tp)
     block -= shape.expert_params / max(shape.layers, 1) * (1 - 1 / d.ep)  # gathered: this rank's experts
     first, last = _ends(shape, d)
-    return block, max(first, last) if d.pp > 1 else first + last
+    return block, max(first, last) if d.pp > 1 and not v_shaped else first + last
 
 
-def fsdp_gathered_root(shape: Shape, strategy: str, d: ParallelDims, precision: str, reshard: bool = True) -> float:
+def fsdp_gathered_root(shape: Shape, strategy: str, d: ParallelDims, precision: str, reshard: bool = True,
+                       v_shaped: bool = False) -> float:
     """FSDP2's root unit (embeddings, head), gathered in the compute dtype for forward and kept
     through backward (FSDP2 never reshards the root after forward); ZeRO-2 counts it in its states."""
     if not fsdp_wraps(strategy, d) or keeps_gathered(strategy, reshard):
         return 0.0
-    return COMPUTE_BYTES[precision] * _unit_params(shape, d)[1]
+    return COMPUTE_BYTES[precision] * _unit_params(shape, d, v_shaped)[1]
 
 
 def fsdp_working_set(shape: Shape, strategy: str, d: ParallelDims, precision: str, reshard: bool = True) -> float:
@@ -195,13 +200,13 @@ def fsdp_working_set(shape: Shape, strategy: str, d: ParallelDims, precision: st
     return gathered + MASTER_BYTES * block
 
 
-def fsdp_root_reduce(shape: Shape, strategy: str, d: ParallelDims, precision: str) -> float:
+def fsdp_root_reduce(shape: Shape, strategy: str, d: ParallelDims, precision: str, v_shaped: bool = False) -> float:
     """The root unit's reduction at the end of backward (FSDP2 reshards its parameters first): its
     unsharded gradients in the compute dtype and the fp32 buffer they are reduce-scattered from.
     For a model whose embeddings and head outweigh a block this, not a block's, is the peak."""
     if not fsdp_wraps(strategy, d):
         return 0.0
-    return (COMPUTE_BYTES[precision] + MASTER_BYTES) * _unit_params(shape, d)[1]
+    return (COMPUTE_BYTES[precision] + MASTER_BYTES) * _unit_params(shape, d, v_shaped)[1]
 
 
 def optimizer_step_bytes(updated: float) -> float:
@@ -327,7 +332,7 @@ def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:
     temps = w.loss_temps(d) * samples / d.cp
     if d.pp > 1:
         temps = max(0.0, min(temps, held.last - max(held.first, held.middle)))
-    layout = layout_memory(w.shape, strategy, d, w.precision)
+    layout = layout_memory(w.shape, strategy, d, w.precision, d.pp > 1 and w.pp_schedule in V_SHAPED)
     # A pipeline schedule that runs a microbatch's backward before the last forward (all but GPipe)
     # reaches its peak with the stage's gradients made by the first backward still held: 1F1B's
     # first rank forwards its pp-th microbatch after its first backward, the last rank each after one.
@@ -345,19 +350,21 @@ def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:
 
 
 @functools.lru_cache(maxsize=4096)
-def layout_memory(shape: Shape, strategy: str, d: ParallelDims, precision: str) -> Memory:
+def layout_memory(shape: Shape, strategy: str, d: ParallelDims, precision: str, v_shaped: bool = False) -> Memory:
     """The terms of one rank's peak that the batch doesn't change (states, FSDP's gathered root and
-    working set, what is reduced or updated after backward): kept per layout, since the search
-    holds every micro-batch, schedule and checkpointing of a layout against them."""
-    states = state_memory(shape, strategy, d, precision)
+    working set, what is reduced or updated after backward): kept per layout and pipeline shape
+    (`v_shaped`: rank 0 holds both ends), since the search holds every micro-batch, schedule and
+    checkpointing of a layout against them."""
+    states = state_memory(shape, strategy, d, precision, v_shaped=v_shaped)
     fsdp = fsdp_wraps(strategy, d)
     masters = precision in BF16_PARAMS and not fsdp  # the optimizer holds fp32 masters beside the moments
     per_updated = MOMENT_BYTES + (MASTER_BYTES if masters else 0)
     buckets = gradient_ranks(strategy, d)[0] > 1 and not fsdp  # DDP: gradients are views of its buckets
     return dataclasses.replace(states, grads_in_backward=states.grad_bytes if buckets else 0.0,
-                               gathered_root_bytes=fsdp_gathered_root(shape, strategy, d, precision),
+                               gathered_root_bytes=fsdp_gathered_root(shape, strategy, d, precision,
+                                                                      v_shaped=v_shaped),
                                working_bytes=fsdp_working_set(shape, strategy, d, precision),
-                               tail_bytes=max(fsdp_root_reduce(shape, strategy, d, precision),
+                               tail_bytes=max(fsdp_root_reduce(shape, strategy, d, precision, v_shaped),
                                               optimizer_step_bytes(states.optim_bytes / per_updated)))
 
 
