@@ -236,7 +236,10 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
     on the first stage, one on the last: planner/pipeline.in_flight), and the last stage also what
     is saved outside the blocks (the head, the loss) and the loss's temporaries, for the
     microbatches in flight there (GPipe m, zero bubble min(m, p), the others one); the higher of
-    the first and the last stage. Under expert parallelism the busiest rank's: its experts keep the
+    the first and the last stage (and a V's bottom rank). A split-backward schedule's rank also
+    keeps, for each microbatch whose weight pass waits, the gradients of the outputs where its
+    weights meet the activations (planner/pipeline.waiting_weight_passes): the highest of the points
+    its schedule passes through. Under expert parallelism the busiest rank's: its experts keep the
     slots routed to them, the measured routing imbalance of what ranks hold times a balanced rank's."""
     return stage_activations(w, d).peak
 
