@@ -125,7 +125,8 @@ def waiting_points(schedule: str, pp: int, microbatches: int,
                 forwarded.discard((stage, mb))
                 waiting.discard((stage, mb))
             points.add((len(forwarded) / virtual, sum(s > 0 for s, _ in waiting) / virtual,
-                               sum(s == last for s, _ in waiting)))
-        rows.append(tuple(sorted(p for p in points if not any(q != p and all(a >= b for a, b in zip(q, p, strict=True))
-                                                                for q in points))))
+                        sum(s == last for s, _ in waiting)))
+        highest = [p for p in points
+                   if not any(q != p and all(a >= b for a, b in zip(q, p, strict=True)) for q in points)]
+        rows.append(tuple(sorted(highest)))
     return rows[0], rows[1]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from training import strategies
 from training.parallel.dims import ParallelDims
-from training.parallel.schedules import V_SHAPED, stage_blocks
+from training.parallel.schedules import stage_blocks
 from training.planner.pipeline import Waiting, in_flight, receive_buffers, waiting_weight_passes
 from training.planner.shape import BF16_PARAMS, COMPUTE_BYTES, Shape
 from training.planner.workload import Workload
@@ -317,7 +317,7 @@ def stage_activations(w: Workload, d: ParallelDims) -> StageActivations:
                                 + (waits_ends * at.waiting_ends if ends_held else 0.0) + recomputing_kv)
                    for at in points) + mask + boundary * buffers
 
-    if w.pp_schedule in V_SHAPED:
+    if w.v_shaped:
         # Rank 0 holds both ends of the V (`first` without the last stage's part, `last` with it);
         # rank p − 1 its bottom, whose weight passes wait longest.
         return StageActivations(peak(first_points, 0.0, first_buffers), peak(first_points, held.ends, last_buffers),
@@ -335,7 +335,7 @@ def memory_breakdown(w: Workload, strategy: str, d: ParallelDims) -> Memory:
     temps = w.loss_temps(d) * samples / d.cp
     if d.pp > 1:
         temps = max(0.0, min(temps, held.last - max(held.first, held.middle)))
-    layout = layout_memory(w.shape, strategy, d, w.precision, d.pp > 1 and w.pp_schedule in V_SHAPED)
+    layout = layout_memory(w.shape, strategy, d, w.precision, d.pp > 1 and w.v_shaped)
     # A pipeline schedule that runs a microbatch's backward before the last forward (all but GPipe)
     # reaches its peak with the stage's gradients made by the first backward still held: 1F1B's
     # first rank forwards its pp-th microbatch after its first backward, the last rank each after one.

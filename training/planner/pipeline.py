@@ -27,13 +27,17 @@ def pipeline_bubble(pp: int, microbatches: int, schedule: str = "1f1b", virtual:
     on GPUs here."""
     if pp <= 1:
         return 0.0
-    filled = microbatches >= pp * (2 if schedule in V_SHAPED else 1)
-    if schedule not in SINGLE and not filled:
+    if schedule not in SINGLE and not _full(schedule, pp, microbatches):
         from training.parallel.bubble import table_bubble
 
         return table_bubble(schedule, pp, microbatches, virtual)
     idle = (pp - 1) / (3 if schedule in ZERO_BUBBLE else 1)
     return idle / (virtual * microbatches + idle)
+
+
+def _full(schedule: str, pp: int, microbatches: int) -> bool:
+    """Whether the pipeline fills (m >= p looped, m >= 2p a V), where the closed forms equal torch's tables."""
+    return microbatches >= pp * (2 if schedule in V_SHAPED else 1)
 
 
 class InFlightCounts(NamedTuple):
@@ -128,7 +132,7 @@ def waiting_weight_passes(schedule: str, pp: int, microbatches: int,
     if schedule not in ZERO_BUBBLE or p <= 1:
         held = in_flight(schedule, p, m, v)
         return (Waiting(held.first, 0.0, 0.0),), (Waiting(held.last, 0.0, 0.0),)
-    if m < p * (2 if schedule in V_SHAPED else 1):
+    if not _full(schedule, p, m):
         from training.parallel.bubble import waiting_points
 
         first, last = waiting_points(schedule, p, m, v)

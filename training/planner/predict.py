@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from training import strategies
 from training.parallel.dims import ParallelDims
-from training.parallel.schedules import V_SHAPED
 from training.planner.calibration import Calibration
 from training.planner.comm import comm_time
 from training.planner.hardware import EXPERT_DISPATCH, Hardware
@@ -75,7 +74,7 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: ParallelDims, mem
     devices = d.world_size
     comm = comm_time(w.shape, flavour, d, w.micro_batch, w.grad_accum, w.microbatches, w.precision, hw.link,
                      w.bucket_cap_bytes, w.clip, hw.devices_per_node, w.sequence_parallel and d.tp > 1,
-                     w.checkpointing, w.pp_virtual_stages, w.imbalance_at(d.ep), w.pp_schedule in V_SHAPED)
+                     w.checkpointing, w.pp_virtual_stages, w.imbalance_at(d.ep), w.v_shaped)
     per_sample = w.seconds_per_sample if w.seconds_per_sample is not None else hw.seconds_per_sample
     compute = (per_sample * hw.contention(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp * d.cp)
                * w.expert_straggler(d) * w.tp_unsplit(d))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from training.parallel.dims import ParallelDims, expert_parallel_problem
+from training.parallel.schedules import V_SHAPED
 from training.planner.shape import Activations, Shape, kept_share
 
 if TYPE_CHECKING:
@@ -57,6 +58,11 @@ class Workload:
     """(ep, measured imbalance) pairs of what the ranks hold: the busiest rank's slots summed over the
     layers over the mean rank's at the worst step (TrainResult.expert_rank_held_imbalance): the
     memory ruler's; an ep not in it is predicted balanced."""
+
+    @property
+    def v_shaped(self) -> bool:
+        """A V-shaped schedule (zbv, dualpipev): rank r holds stages r and 2p − 1 − r, rank 0 both ends."""
+        return self.pp_schedule in V_SHAPED
 
     def imbalance_at(self, ep: int) -> float:
         """The busiest expert-parallel rank's slots over what the meta count gives a rank (balanced
