@@ -15,6 +15,17 @@ from pathlib import Path
 from benchmarks.cli import _cli
 from benchmarks.rows import Row
 
+LAUNCHER_ARGS = {
+    "ray": lambda head: [f"launcher.address={head.address}"],
+    # One intra-op thread per rank, as launcher=local gives each of 2 ranks on this 2-core host:
+    # scripts/slurm-local.sh's emulated nodes claim 4 CPUs each (so jobs fit side by side), and the
+    # default node share would run 4 threads per rank on the 2 cores (measured at 34823f9: 80.5
+    # against local's 774 samples/s). The tests pass the same (tests/integration/test_slurm.py).
+    "slurm": lambda head: ["launcher.cpus_per_task=1"],
+    "local": lambda head: [],
+}
+"""What each launcher's runs add to the command line."""
+
 
 def _slurm_up() -> bool:
     import shutil
@@ -81,7 +92,7 @@ def bench_launchers() -> list[Row]:
                 jobs: list[int] = []
                 for i in range(2):
                     for name in (launcher, "local"):
-                        extra = [f"launcher.address={head.address}"] if name == "ray" else []
+                        extra = LAUNCHER_ARGS[name](head)
                         # Its own run dir and cache per pair and round: local's runs against Ray must
                         # not serve local's runs against Slurm.
                         run = f"{launcher}-vs-{name}{i}"
@@ -122,7 +133,7 @@ def _train_speed(tmp: Path, launcher: str, args: list[str], head: RayHead) -> di
     speed: dict[str, list[float]] = {launcher: [], "local": []}
     for i in range(TRAIN_SPEED_REPEATS):
         for name in (launcher, "local") if i % 2 == 0 else ("local", launcher):
-            extra = [f"launcher.address={head.address}"] if name == "ray" else []
+            extra = LAUNCHER_ARGS[name](head)
             run = f"{launcher}-vs-{name}-speed{i}"
             _cli(tmp, *args, *extra, f"train.steps={TRAIN_SPEED_STEPS}", "force=[train]", f"launcher={name}",
                  f"hydra.run.dir={run}", f"cache_dir={tmp}/cache-{launcher}-vs-{name}0", env=head.env)
