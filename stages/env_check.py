@@ -75,6 +75,9 @@ class RankInfo:
     niceness: int | None = None
     """The scheduling niceness the rank's thread runs at (0 unless something lowered it: Ray
     starts its workers at 15, and the launcher puts them back where it may)."""
+    subnormals_flushed: bool | None = None
+    """Whether the rank's thread computes subnormal floats as zero: every CPU rank does
+    (pipelines/launchers/worker.py flush_subnormals; x86 runs each operation on one slowly)."""
 
 
 @dataclass(frozen=True)

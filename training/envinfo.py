@@ -41,6 +41,15 @@ MAX_TABLE_ROWS = 32
 """Beyond this many ranks the table shows the odd ones out first (a 1024-row table is unreadable)."""
 
 
+def subnormals_flushed() -> bool:
+    """Whether this thread computes float32 subnormals as zero (torch.set_flush_denormal): read off
+    an operation on one, since torch has no getter."""
+    import torch
+
+    tiny = torch.tensor([1e-39], dtype=torch.float64).to(torch.float32)  # 1e-39: subnormal in float32
+    return bool((tiny * 1.0).item() == 0.0)
+
+
 def collect_local() -> dict[str, Any]:
     """This rank's facts: identity, software versions, GPUs, driver, InfiniBand, CPUs, memory."""
     import torch
@@ -64,6 +73,7 @@ def collect_local() -> dict[str, Any]:
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),
         "niceness": os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None,
+        "subnormals_flushed": subnormals_flushed(),
         "nccl_env": nccl_env(),
     }
     facts.update(_cuda_facts())

@@ -80,14 +80,31 @@ def device_index(local_index: int, visible: int) -> int:
 
 def select_device() -> int | None:
     """Make this rank's GPU the current device (in the calling thread: the current device is per
-    thread); None without CUDA."""
+    thread); None without CUDA, where the calling thread flushes subnormal floats instead."""
     import torch
 
     if not torch.cuda.is_available():
+        flush_subnormals()
         return None
     index = device_index(int(os.environ.get(DEVICE_ENV, os.environ.get("LOCAL_RANK", "0"))), torch.cuda.device_count())
     torch.cuda.set_device(index)
     return index
+
+
+def flush_subnormals() -> None:
+    """On CPU, compute with subnormal floats as zero (x86's FTZ/DAZ, `torch.set_flush_denormal`).
+
+    A training model's softmaxes and their gradients soon hold values below float32's normal range
+    (1.2e-38), and an x86 core takes a slow path for each operation on one. Measured on this
+    project's 2-core host, gpt-tiny under DDP at world 2: 13.4 ms a step at lr 1e-3, 17.1 ms at
+    the 3e-2 its LR finder suggests (the model sharpens faster), 13.5 ms at 3e-2 with subnormals
+    flushed; the plan's compute ruler, which times a fresh model, saw none of it. GPUs run
+    without the slow path, so a CPU rank flushing is the closer rehearsal of one. The setting is
+    per thread and threads inherit it when they start: set here, in the thread a stage runs in,
+    before torch's intra-op pool starts its threads."""
+    import torch
+
+    torch.set_flush_denormal(True)
 
 
 def resolve_backend(backend: str, index: int | None) -> str:

@@ -27,6 +27,8 @@ def test_two_ranks_on_two_emulated_nodes_are_consistent() -> None:
     assert result.ranks[0].pid != result.ranks[1].pid
     share = max(1, (os.cpu_count() or 1) // 2)  # each rank its share of the host's cores
     assert [r.torch_threads for r in result.ranks] == [share, share]
+    # CPU ranks compute subnormals as zero (pipelines/launchers/worker.py flush_subnormals).
+    assert [r.subnormals_flushed for r in result.ranks] == [True, True]
     assert result.headline().startswith("2 ranks on 2 nodes, torch ")
     # The engine stores results as JSON and reads them back by field types.
     assert from_dict(EnvResult, json.loads(json.dumps(to_jsonable(result)))) == result

@@ -76,12 +76,13 @@ def test_a_ray_invocation_runs_every_stage_on_one_worker_group(tmp_path, ray_hom
     assert statuses(summary) == dict.fromkeys(WORKER_STAGES, "ran")
     # What a rank runs with under Ray is what launcher=local gives it: its share of the cores as
     # torch threads (1 CPU a worker here), every core to run on, and niceness 0, not the 15 Ray
-    # starts its workers at, where a process may raise its priority (root, or RLIMIT_NICE).
+    # starts its workers at, where a process may raise its priority (root, or RLIMIT_NICE); and
+    # subnormals computed as zero in the thread the agent runs each stage in.
     import resource
 
     may_raise = os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
-    assert [(r["torch_threads"], r["cpu_affinity"], r["niceness"]) for r in env["ranks"]] == [
-        (1, os.cpu_count(), 0 if may_raise else 15)] * len(pids)
+    assert [(r["torch_threads"], r["cpu_affinity"], r["niceness"], r["subnormals_flushed"]) for r in env["ranks"]] == [
+        (1, os.cpu_count(), 0 if may_raise else 15, True)] * len(pids)
 
 
 def test_a_slurm_invocation_is_one_allocation_and_every_stage_a_step_on_its_nodes(tmp_path):

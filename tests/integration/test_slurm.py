@@ -98,6 +98,7 @@ def test_every_stage_is_a_step_of_one_allocation_on_the_same_nodes(tmp_path, slu
     assert sorted(r.node_name for r in env.ranks) == ["node1", "node2"]
     # cpus_per_task=1: one intra-op thread per rank, not the node's every core.
     assert [r.torch_threads for r in env.ranks] == [1, 1]
+    assert [r.subnormals_flushed for r in env.ranks] == [True, True]
     one = launcher.run(task(tmp_path, "stages.env_check:run", EnvInputs(EnvConfig()), "one"), WorldSpec(1, 1, False))
     again = launcher.run(task(tmp_path, "stages.env_check:run", EnvInputs(EnvConfig()), "again"), WorldSpec(2, 1))
     assert [r.node_name for r in one.ranks] == ["node1"]
