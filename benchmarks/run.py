@@ -25,6 +25,7 @@ from benchmarks.cli import _cli  # noqa: E402
 from benchmarks.launchers import TRAIN_SPEED_REPEATS, TRAIN_SPEED_STEPS, bench_launchers  # noqa: E402
 from benchmarks.planning import bench_published, bench_search  # noqa: E402
 from benchmarks.rows import Row  # noqa: E402
+from benchmarks.workers import probe_repeats  # noqa: E402
 from stages.train import TrainInputs  # noqa: E402
 from tests.helpers import run_world  # noqa: E402
 from training.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig  # noqa: E402
@@ -52,7 +53,8 @@ def bench_probe() -> list[Row]:
     rows = []
     for collective in ("all_reduce", "all_to_all"):
         got = run_world("benchmarks.workers:probe_vs_bare", (collective, sizes), world=2, timeout_s=600)
-        rows += [Row(f"probe fidelity, {collective} {size // MIB} MiB, world 2 (busbw: probe vs bare loop)",
+        rows += [Row(f"probe fidelity, {collective} {size // MIB} MiB, world 2 (busbw: probe vs bare loop, median of "
+                     f"{probe_repeats(size)})",
                      got[size]["ours"], got[size]["theirs"], "GB/s", ">= 0.95") for size in sizes]
     return rows
 
