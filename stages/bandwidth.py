@@ -149,7 +149,7 @@ def run(cfg: BandwidthInputs) -> BandwidthResult:
                 for n in ([world, cfg.procs_per_node, cfg.nodes] if tiers else [world]))
     done = iter(range(1, total + 1))
     report = (lambda line: progress("bandwidth", f"{next(done)}/{total} measured; {line.strip()}")) if is_main() else None
-    results = probe(bw.collectives, sizes, bw.warmup_iters, bw.iters, report)
+    results = probe(bw.collectives, sizes, bw.warmup_iters, bw.iters, report, rounds=bw.rounds)
     node, spread = (_tiers(bw, sizes, cfg.nodes, cfg.procs_per_node, report) if tiers else ([], []))
     shared = None
     if bw.shared_cores and device().type == "cpu":
@@ -171,7 +171,7 @@ def _tiers(bw: BandwidthConfig, sizes: list[int], nodes: int, per_node: int,
     for enumeration in (by_node, by_local):
         group, groups = dist.new_subgroups_by_enumeration(enumeration)
         try:
-            out.append(probe(bw.collectives, sizes, bw.warmup_iters, bw.iters, report, group))
+            out.append(probe(bw.collectives, sizes, bw.warmup_iters, bw.iters, report, group, bw.rounds))
         finally:
             for made in groups:
                 dist.destroy_process_group(made)

@@ -67,6 +67,9 @@ class BandwidthConfig:
     """Untimed iterations per size (nccl-tests: 5)."""
     iters: int = 20
     """Timed iterations per size (nccl-tests: 20)."""
+    rounds: int = 5
+    """Sizes whose timed loop lasts under 0.1 s (the small ones, whose latency the plan fits) are
+    measured this many times, in turn, and the median kept (training.collectives.SHORT_LOOP_S)."""
     ruler_gbps: float = 20.0
     """The bandwidth ruler: all_reduce busbw at the largest size below this keeps data parallelism
     within a few devices."""
@@ -87,6 +90,7 @@ class BandwidthConfig:
         at_least("factor", self.factor, 2)
         at_least("warmup_iters", self.warmup_iters, 0)
         at_least("iters", self.iters, 1)
+        at_least("rounds", self.rounds, 1)
         if self.ruler_gbps <= 0:
             raise ConfigError("ruler_gbps", self.ruler_gbps, "must be > 0")
 

@@ -74,3 +74,16 @@ def test_two_nodes_of_two_ranks_probe_both_tiers(tmp_path) -> None:
     assert tiers["devices_per_node"] == 2 and {"intra", "inter", "inter_single"} <= tiers.keys()
     assert tiers["intra"]["all_reduce"].world == 2 and tiers["inter"]["all_reduce"].world == 4
     assert any(key.startswith("comm/node/all_reduce/") for key, _, _ in result.metrics())
+
+
+def test_short_loops_are_measured_in_rounds_and_keep_the_median() -> None:
+    """The probe's small sizes (latency, which the plan fits) are measured `rounds` times in turn
+    and keep the median; a size whose loop lasts SHORT_LOOP_S or more (8 MiB: ~10 ms a call here,
+    20 calls) is measured once."""
+    from training.collectives import SHORT_LOOP_S
+
+    result = run_world("tests.dist.workers:probe_rounds", None, world=2)
+    assert result["rounds"][8] == 3 and result["rounds"][8 << 20] == 1
+    for size, times in result["times"].items():
+        assert result["rounds"][size] == (3 if times[0] * 1e-6 * 20 < SHORT_LOOP_S else 1)
+        assert result["kept"][size] == pytest.approx(sorted(times)[len(times) // 2])

@@ -162,3 +162,26 @@ def train_counting_all_to_alls(inputs: object) -> object:
     per_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, sent)
     return result, per_rank
+
+
+def probe_rounds(_inputs: object) -> dict:
+    """training.collectives.probe at 8 B, 4 KiB and 8 MiB with rounds=3, every measurement it
+    makes recorded: how many per size, their times, and the time it kept."""
+    from training import collectives
+
+    measured: dict[int, list[float]] = {}
+    real = collectives.measure
+
+    def recording(collective: str, nbytes: int, *args: object) -> collectives.Measurement:
+        result = real(collective, nbytes, *args)
+        measured.setdefault(result.bytes, []).append(result.time_us)
+        return result
+
+    collectives.measure = recording
+    try:
+        kept = collectives.probe(["all_reduce"], [8, 4096, 8 << 20], 2, 20, rounds=3)
+    finally:
+        collectives.measure = real
+    return {"rounds": {size: len(times) for size, times in measured.items()}, "times": measured,
+            "kept": {m.bytes: m.time_us for m in kept}}
+
