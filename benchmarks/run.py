@@ -223,11 +223,13 @@ def bench_advisor() -> list[Row]:
     from pipelines.summary import read_summary
     from reports.study import StudyRun, latest_per_point, ranks, regrets, table_rows
 
-    # The probe measures the sizes gpt-tiny sends (its gradient is 543 KB), 20 calls a size, as the
-    # default probe would: smoke's (<= 64 KiB, 3 calls) left the ranking to an extrapolation.
+    # The bandwidth stage as a default run has it: the probe measures the sizes gpt-tiny sends (its
+    # gradient is 543 KB), 20 calls a size (smoke's <= 64 KiB and 3 calls left the ranking to an
+    # extrapolation), and what the ranks sharing the cores cost each other (smoke turns it off).
     common = ["experiment=smoke", "train.global_batch=16", "train.steps=40", "train.timing_warmup=5",
               "data.num_samples=1024", "tracking=none", "only=[env,bandwidth,lr_find,plan,trials,train]",
-              "bandwidth.max_bytes=1048576", "bandwidth.warmup_iters=5", "bandwidth.iters=20"]
+              "bandwidth.max_bytes=1048576", "bandwidth.warmup_iters=5", "bandwidth.iters=20",
+              "bandwidth.shared_cores=true"]
     rows, summaries = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for world, points in ADVISOR_POINTS.items():

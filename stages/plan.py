@@ -96,6 +96,8 @@ class PlanResult:
                 ("memory/device_gib", r.device_memory_bytes / GIB, 0),
                 ("plan/step_compute_ms", r.step_compute_s * 1e3, 0),
             ]
+            if r.passes is not None:
+                out += [("plan/pass_share", r.passes.pass_share, 0), ("plan/optimizer_share", r.passes.step_share, 0)]
             out += [(f"plan/overhead_ms/{k}", v * 1e3, 0) for k, v in sorted(r.strategy_overhead_s.items())]
         for p in self.predictions:
             out += [(f"plan/{p.strategy}/predicted_efficiency", p.scaling_efficiency, p.devices),

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ from training.planner.advice import (
     data_parallel_size,
     described_hardware,
 )
-from training.planner.hardware import EXPERT_DISPATCH, Hardware, measured_links
+from training.planner.hardware import EXPERT_DISPATCH, Hardware, PassCost, measured_links
 from training.planner.shape import Activations, Anatomy
 
 TIMED_STEPS = 5
@@ -70,6 +71,10 @@ class Rulers:
     """A mixture of experts: its experts' GEMMs at their routed rows per expert-parallel degree
     against one GEMM of the same FLOPs, timed on this device (None: a dense model, or experts too
     large to time, which ruler_reasons says)."""
+    passes: PassCost | None = None
+    """`step_compute_s` split into its part per sample, per forward and backward pass and per
+    optimizer step (pass_cost; on a slice, the slice's shares); None where the timings could not
+    tell them apart."""
 
 
 def _timed_steps(step) -> float:  # noqa: ANN001 - a zero-argument callable
@@ -81,6 +86,45 @@ def _timed_steps(step) -> float:  # noqa: ANN001 - a zero-argument callable
         step()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def pass_cost(step: Callable[[list[Any]], Any], batch: Callable[[int], Any], micro: int,
+              dev: Any) -> PassCost | None:
+    """Split the step of a `micro`-sample batch into its parts (PassCost), from three steps timed in
+    turn, round after round (a drift of the host's speed meets all three alike): the step itself;
+    the step with a second pass of the batch, which adds one pass (the difference; the rest of the
+    step is the optimizer's); and, where the micro-batch halves, the step of half the batch, which
+    gives the pass's part per sample and so its fixed part. At a micro-batch of 1 the pass is all
+    per sample. None where a difference comes out below zero (the timings' noise exceeds what they
+    are meant to tell)."""
+    from training.dist import synchronize
+
+    whole = batch(micro)
+    turns = {"one": [whole], "two": [whole, whole]}
+    if micro >= 2:
+        turns["half"] = [batch(micro // 2)]
+    times: dict[str, list[float]] = {name: [] for name in turns}
+    for batches in turns.values():  # a new shape warms its own kernels and allocations
+        step(batches)
+    while len(times["one"]) < TIMED_STEPS or (sum(map(sum, times.values())) < TIMED_BUDGET_S
+                                              and len(times["one"]) < MAX_TIMED_STEPS):
+        for name, batches in turns.items():
+            start = time.perf_counter()
+            step(batches)
+            synchronize(dev)
+            times[name].append(time.perf_counter() - start)
+    one, two = statistics.median(times["one"]), statistics.median(times["two"])
+    one_pass, optimizer_s = two - one, 2 * one - two
+    if one_pass <= 0 or optimizer_s < 0:
+        return None
+    fixed = 0.0
+    if "half" in times:
+        half = micro // 2
+        per_sample = (one - statistics.median(times["half"])) / (micro - half)
+        if per_sample <= 0:
+            return None
+        fixed = min(max(one_pass - per_sample * micro, 0.0), one_pass)
+    return PassCost(micro=micro, pass_share=fixed / one, step_share=optimizer_s / one)
 
 
 def step_strategy(cfg: PlanInputs) -> StrategyConfig:
@@ -126,6 +170,8 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult, anatomy: Anatomy) -> Ru
         step(probe, held)
     memory = held[0]
     compute = _timed_steps(step)
+    passes = pass_cost(lambda batches: optimizer_step(parallel, optimizer, batches, len(batches), clip, dev),
+                       lambda count: to_device(first_samples(bench.dataset, count), dev), micro, dev)
     overheads = measure_overheads(model, cfg.model, bench.loss, batch, list(cfg.plan.strategies or strategies.pure()), dev, clip,
                                   step_strategy(cfg))
     device_bytes = (budget_bytes(cfg) or cfg.plan.device_memory_bytes
@@ -157,6 +203,7 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult, anatomy: Anatomy) -> Ru
         memory_audit=audit,
         sliced_blocks=blocks,
         expert_gemms=gemms,
+        passes=passes,
     )
 
 
@@ -272,6 +319,7 @@ def hardware(cfg: PlanInputs, executed_flops_per_sample: float, rulers: Rulers |
         device_memory_bytes=rulers.device_memory_bytes,
         **measured_tiers(bandwidth),
         seconds_per_sample=rulers.step_compute_s / micro,
+        passes=rulers.passes,
         cores=(shared.cores if shared else os.cpu_count() or 1) if cpu else None,
         threads_per_device=shared.threads_per_rank if shared else rulers.threads,
         overhead_s=rulers.strategy_overhead_s,
@@ -287,6 +335,15 @@ def ruler_reasons(r: Rulers, cfg: PlanInputs, world: int) -> list[str]:
                        f"{cfg.cluster.device_memory_gib:g}): timed a slice of its first {r.sliced_blocks} of "
                        f"{r.anatomy.shape.layers} blocks with embeddings and head, the per-block cost carried to the "
                        "full depth")
+    if cfg.cluster.measured and r.passes is not None:
+        sample, fixed_pass, fixed_step = r.passes.parts(r.step_compute_s / r.passes.micro)
+        reasons.append(f"compute: the {r.step_compute_s * 1e3:.1f} ms step of {r.passes.micro} samples is "
+                       f"{sample * 1e3:.2f} ms a sample, {fixed_pass * 1e3:.2f} ms a forward and backward pass "
+                       f"whatever its size and {fixed_step * 1e3:.2f} ms for the optimizer step (timed with a second "
+                       "pass and at half the micro-batch): microbatches and accumulation pay the pass each")
+    elif cfg.cluster.measured:
+        reasons.append("compute: the step's parts could not be told apart (its timings' noise exceeds their "
+                       "differences): all of it is counted per sample")
     if r.busbw_gbps is None:
         reasons.append("bandwidth: not measured (world size 1): no interconnect to judge, no prediction beyond 1 device")
     elif r.busbw_gbps < r.ruler_gbps:

@@ -70,6 +70,14 @@ def test_first_run_runs_every_stage(workspace):
     assert {"suggested_lr", "finder_batch", "lr_scaling", "rule", "curve"} <= set(stage["lr_find"]["result"])
     assert summary["run"]["world_size"] == 2 and summary["run"]["global_batch"] == train_batch(summary)
     assert {"recommended_strategy", "reasons", "peak_memory_bytes", "flops_per_sample"} <= set(stage["plan"]["result"])
+    # The compute ruler's step split by what it scales with, from steps timed in turn (a second pass,
+    # half the micro-batch): gpt-tiny's fixed work per pass and its optimizer step are each a good
+    # share of a 4-sample step on a CPU.
+    passes = stage["plan"]["result"]["rulers"]["passes"]
+    assert passes["micro"] == 4 and passes["pass_share"] > 0 and passes["step_share"] > 0
+    assert passes["pass_share"] + passes["step_share"] < 1
+    assert any(r.startswith("compute: the ") and "a forward and backward pass whatever its size" in r
+               for r in stage["plan"]["result"]["reasons"])
     train = stage["train"]["result"]
     keys = {"strategy", "world_size", "steps", "final_loss", "losses", "samples_per_s", "baseline_samples_per_s",
             "scaling_efficiency"}

@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from training.parallel.dims import ParallelDims
 from training.planner.comm import Group, Link, fit_link
 
 if TYPE_CHECKING:
@@ -18,6 +19,33 @@ EXPERT_DISPATCH = "ep"
 """Hardware.overhead_s's key for what expert parallelism's dispatch adds to a micro-batch step on
 one rank, beside its all-to-alls: grouping and regrouping the routed slots by expert, the counts
 read back to the host, the buffers copied (training/overhead.py measures it)."""
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """How a measured step's compute splits by what it scales with. Each forward and backward pass
+    costs a part whatever its size (the dispatch, allocator and autograd work of every op; a kernel
+    launch each on a GPU), besides its part per sample; each optimizer step (clip, update, zero) a
+    part of its own, once per step whatever the micro-batches. A layout that cuts a micro-batch
+    into pipeline microbatches, or accumulates several, pays the first per pass and the last once,
+    where a per-sample time alone would scale both with the samples. Measured by stages/rulers.py
+    (the step at the run's micro-batch, with a second pass, and at half the micro-batch) and kept
+    as shares of the step at `micro`, so that whatever rescales the per-sample time (another
+    precision or checkpointing, a calibration's basis) rescales all three parts alike."""
+
+    micro: int
+    """The micro-batch the step was measured at."""
+    pass_share: float
+    """Each forward and backward pass's fixed part, as a share of that step."""
+    step_share: float
+    """The optimizer step's part (clip, update, zero), as a share of that step."""
+
+    def parts(self, per_sample: float) -> tuple[float, float, float]:
+        """(seconds per sample, per pass, per optimizer step) of a step whose per-sample time at
+        `micro` is `per_sample`."""
+        step = per_sample * self.micro
+        fixed_pass, fixed_step = self.pass_share * step, self.step_share * step
+        return (step - fixed_pass - fixed_step) / self.micro, fixed_pass, fixed_step
 
 
 @dataclass(frozen=True)
@@ -49,6 +77,9 @@ class Hardware:
     node-local TP layout): what one rank's share of the node's NICs carries. Measured by the
     bandwidth stage where there are several ranks per node; else (a preset) the node's figure over
     its devices: one NIC per GPU, as DGX-class nodes are built."""
+    passes: PassCost | None = None
+    """A measured step's compute by pass and optimizer step (stages/rulers.py); None (a described
+    cluster: FLOPs at a peak times an MFU): all of it per sample."""
     _links: dict[tuple[str, Group], Link] = dataclasses.field(default_factory=dict, init=False, repr=False,
                                                               compare=False)
     """link()'s answers, kept: a search asks for the same few millions of times (a copy made by
@@ -68,9 +99,18 @@ class Hardware:
         where nothing measured it)."""
         return self.shared.call_cost(world, gap_s) if self.shared is not None and self.cores is not None else 0.0
 
-    def compute_per_sample(self, world: int) -> float:
-        """Per-sample compute of one rank when `world` ranks run."""
-        return self.seconds_per_sample * self.contention(world)
+    def compute_s(self, per_sample: float, samples: int, passes: int, d: ParallelDims) -> float:
+        """One rank's compute in a step of `samples` per replica in `passes` forward and backward
+        passes, at `per_sample` on one device, alone: the samples' part split over the ranks that
+        share each sample's work (tp, pp, cp); each pass's fixed part over the pipeline's stages
+        (a stage runs its share of the blocks' ops; TP and CP ranks run every op, on less); the
+        optimizer step's over the ranks that hold the parameters apart (pp, tp: as the step's
+        per-sample share did before the split was measured; ZeRO's sharded update is in its
+        measured strategy overhead)."""
+        if self.passes is None:
+            return per_sample * samples / (d.tp * d.pp * d.cp)
+        sample, fixed_pass, fixed_step = self.passes.parts(per_sample)
+        return sample * samples / (d.tp * d.pp * d.cp) + passes * fixed_pass / d.pp + fixed_step / (d.pp * d.tp)
 
     def strategy_overhead(self, strategy: str, world: int) -> float:
         """The strategy's per-micro-batch overhead on one rank of `world` (none unwrapped, at 1)."""

@@ -76,7 +76,8 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: ParallelDims, mem
                      w.bucket_cap_bytes, w.clip, hw.devices_per_node, w.sequence_parallel and d.tp > 1,
                      w.checkpointing, w.pp_virtual_stages, w.imbalance_at(d.ep), w.v_shaped)
     per_sample = w.seconds_per_sample if w.seconds_per_sample is not None else hw.seconds_per_sample
-    compute = (per_sample * hw.contention(devices) * w.micro_batch * w.grad_accum / (d.tp * d.pp * d.cp)
+    passes = w.grad_accum * (w.microbatches if d.pp > 1 else 1)  # a pipeline cuts each micro-batch
+    compute = (hw.compute_s(per_sample, w.micro_batch * w.grad_accum, passes, d) * hw.contention(devices)
                * w.expert_straggler(d) * w.tp_unsplit(d))
     overhead = hw.strategy_overhead(flavour, devices) * w.grad_accum
     if d.ep > 1:  # the dispatch's host work: per MoE layer and call, a stage's layers for each of its microbatches
