@@ -66,9 +66,9 @@ PROBE_REPEATS_BYTES = 8 * 16 * 1024 * 1024
 """What each side of a probe row sends over its repeats, at least 8 of them. A loop of 20 calls at
 1 MiB lasts ~35 ms on this 2-core host (0.6 GB/s), short enough for the host's noise to move a
 median of 7: the all_reduce 1 MiB row read 1.28 and 0.64 in two full runs of the same probe
-code, while the 16 and 64 MiB rows held within 5 %. With 128 repeats two runs read 0.94 and 1.08
-(2026-12-05): narrower, still not within the 5 % of a goal of 0.95, as the host drifts between
-pairs too."""
+code, while the 16 and 64 MiB rows held within 5 %. With 128 repeats three runs read 0.94, 1.08
+and 0.93 (2026-12-05): narrower, still not within the 5 % of a goal of 0.95, as the host drifts
+between pairs too."""
 
 
 def probe_repeats(size: int) -> int:
@@ -81,13 +81,17 @@ def probe_vs_bare(job: tuple[str, list[int]], iters: int = 20) -> dict:
     """`collective`'s busbw from the bandwidth probe and from a bare timing loop, per size: warm-up 5
     and 20 timed iterations as nccl-tests' defaults, the slowest rank's mean time, the median of
     `probe_repeats(size)`; the two take turns going first (the one that follows a loop meets a
-    warmer link). all_to_all sends each rank's whole buffer, 1/n of it to each rank, as
-    nccl-tests' alltoall does."""
-    from training.collectives import bus_factor, measure
+    warmer link). The probe is what the bandwidth stage runs, with its default rounds (a size whose
+    loop lasts under 0.1 s, 1 MiB here, is measured in rounds and keeps the median); the bare loop
+    is one loop, as nccl-tests times it. all_to_all sends each rank's whole buffer, 1/n of it to
+    each rank, as nccl-tests' alltoall does."""
+    from training.collectives import bus_factor, probe
+    from training.plan_config import BandwidthConfig
 
     collective, sizes = job
     dev = device()
     n = world_size()
+    rounds = BandwidthConfig().rounds
 
     def bare(size: int) -> float:
         tensor = torch.zeros(size // 4, device=dev)
@@ -117,7 +121,7 @@ def probe_vs_bare(job: tuple[str, list[int]], iters: int = 20) -> dict:
         for repeat in range(probe_repeats(size)):
             for which in ("ours", "bare") if repeat % 2 == 0 else ("bare", "ours"):
                 if which == "ours":
-                    ours.append(measure(collective, size, 5, iters, dev).busbw_gbps)
+                    ours.append(probe([collective], [size], 5, iters, rounds=rounds)[0].busbw_gbps)
                 else:
                     theirs.append(bare(size))
         out[size] = {"ours": statistics.median(ours), "theirs": statistics.median(theirs)}
