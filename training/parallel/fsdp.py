@@ -22,7 +22,7 @@ def apply_fsdp(model: nn.Module, blocks: list[Block], dp_mesh: DeviceMesh, resha
                param_dtype: torch.dtype | None, experts: ExpertShards | None = None) -> nn.Module:
     """Shard every block, then the root (which takes whatever is left: embeddings, head).
 
-    `reshard_after_forward=True` is ZeRO-3 (parameters gathered again in backward);
+    `reshard_after_forward=True` is ZeRO-3 (the blocks' parameters gathered again in backward);
     False is ZeRO-2 (gathered parameters kept from forward to backward; gradients and optimizer
     state still sharded). A 2-D `dp_mesh` (replicate, shard) gives HSDP. With `param_dtype`,
     compute runs in that dtype while gradients are reduced in fp32. A model without blocks is one
@@ -35,5 +35,9 @@ def apply_fsdp(model: nn.Module, blocks: list[Block], dp_mesh: DeviceMesh, resha
             fully_shard(module, mesh=experts.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     for block in blocks:
         fully_shard(block.module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    # The root stays gathered from forward to backward, as FSDP2 keeps it by default: its head is
+    # the first thing backward needs, so resharding it would only gather it again at once (an
+    # explicit True reshards the root too: measured, one all-gather more a step). The cost and
+    # memory models count it so (planner/comm.py, planner/memory.py fsdp_gathered_root).
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
     return model
