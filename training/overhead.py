@@ -8,6 +8,11 @@ for tensor parallelism. On a process group of one rank every collective is a loc
 wrapped step minus the bare one is that overhead: measured here, not assumed. On the 2-core CPU
 host this was written on, gpt-tiny's 11.7 ms step grows by about 1 ms under DDP and 10.5 ms under
 FSDP2's zero3, more than the α–β model's communication for the latter.
+
+FSDP2 is timed on a fake group of two instead: on one rank it skips the all-gather's copy-in and
+copy-out and the reduce-scatter's (torch's world-size-1 shortcut), work it does at any larger size.
+On that host gpt-tiny's zero3 step took 12.1 ms on one rank, 13.5 ms as rank 0 of two, and its
+step at world 2 spent 15.5-16 ms outside its collectives (1.12x contention on 13.5: 15.1).
 """
 
 from __future__ import annotations
@@ -61,6 +66,27 @@ def one_rank_group(dev: torch.device) -> Iterator[bool]:
         dist.destroy_process_group()
 
 
+SHARDED_WORLD = 2
+"""The fake group FSDP2's wrappers are timed on: the smallest that runs its copies."""
+
+
+@contextlib.contextmanager
+def fake_group(world: int) -> Iterator[bool]:
+    """A fake process group of `world` ranks, this process its rank 0 and every collective a no-op
+    that leaves its output as it was, for the duration; False (and nothing made) when
+    torch.distributed is already up."""
+    if dist.is_initialized():
+        yield False
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        yield True
+    finally:
+        dist.destroy_process_group()
+
+
 def measure_overheads(
     model: nn.Module,
     model_cfg: ModelConfig,
@@ -74,7 +100,7 @@ def measure_overheads(
     steps: int = 3,
 ) -> Overheads:
     """Time `model` bare and wrapped by each strategy (a copy of it, wrapped by the real
-    `parallelize` on a one-rank group), alternating in `rounds` so a drifting host moves both
+    `parallelize` on a one-rank group; FSDP2's on a fake group of SHARDED_WORLD), alternating in `rounds` so a drifting host moves both
     alike. Both run the training step (training/step.py) on `batch`, in `base`'s precision.
     `model` comes prepared as the plan measures it (activation checkpointing already applied), so
     neither the bare step nor the wrappers apply it again."""
@@ -99,26 +125,24 @@ def measure_overheads(
     declared = {s: registry.get(s) for s in strategies}
     wanted = [s for s, d in declared.items() if d.not_alone is None]
     not_measured = {s: d.not_alone for s, d in declared.items() if d.not_alone is not None}
+    # FSDP2's on a fake group of two, where it runs its copies; unless torch.distributed is up
+    # already (a world of one): then on that one rank, as the others.
+    sharded = [s for s in wanted if declared[s].wrapper == "fsdp"] if not dist.is_initialized() else []
     seconds: dict[str, float] = {}
     bare_times: list[float] = []
     base = dataclasses.replace(base, activation_checkpointing="none")
-    with one_rank_group(dev) as usable:
-        if not usable:
-            reason = "torch.distributed is up with other ranks: no one-rank mesh"
-            return Overheads({}, 0.0, {s: reason for s in wanted} | not_measured)
-        bare = stepper(*trainable(model, model_spec(model, model_cfg), base, dev, loss))
-        bare()  # the optimizer's state is allocated on the first step
 
-        def added(wrapped: Callable[[], None]) -> float:
-            """`wrapped`'s step minus the bare one, the two alternating over `rounds`."""
-            diffs = []
-            for _ in range(rounds):
-                plain_s = median_step(bare)
-                bare_times.append(plain_s)
-                diffs.append(median_step(wrapped) - plain_s)
-            return max(statistics.median(diffs), 0.0)
+    def added(bare: Callable[[], None], wrapped: Callable[[], None]) -> float:
+        """`wrapped`'s step minus the bare one, the two alternating over `rounds`."""
+        diffs = []
+        for _ in range(rounds):
+            plain_s = median_step(bare)
+            bare_times.append(plain_s)
+            diffs.append(median_step(wrapped) - plain_s)
+        return max(statistics.median(diffs), 0.0)
 
-        for strategy in wanted:
+    def measure_each(bare: Callable[[], None], names: list[str]) -> None:
+        for strategy in names:
             try:  # a second copy of the model and its optimizer state must fit beside the first
                 net = copy.deepcopy(model)
                 wrapped = stepper(*trainable(net, model_spec(net, model_cfg), dataclasses.replace(base, name=strategy),
@@ -132,11 +156,27 @@ def measure_overheads(
             except ContractError as err:
                 not_measured[strategy] = str(err)
                 continue
-            seconds[strategy] = added(wrapped)
+            seconds[strategy] = added(bare, wrapped)
             del net, wrapped
+
+    with one_rank_group(dev) as usable:
+        if not usable:
+            reason = "torch.distributed is up with other ranks: no one-rank mesh"
+            return Overheads({}, 0.0, {s: reason for s in wanted} | not_measured)
+        # Unwrapped on one rank: its step calls no collective, so it runs on under the fake group.
+        bare = stepper(*trainable(model, model_spec(model, model_cfg), base, dev, loss))
+        bare()  # the optimizer's state is allocated on the first step
+        measure_each(bare, [s for s in wanted if s not in sharded])
         split = _expert_dispatch(model, model_cfg, base, dev, loss, stepper)
         if split is not None:
-            seconds[EXPERT_DISPATCH] = added(split)
+            seconds[EXPERT_DISPATCH] = added(bare, split)
+    if sharded:
+        try:
+            with fake_group(SHARDED_WORLD):
+                measure_each(bare, sharded)
+        except RuntimeError:  # a backend the fake group can't stand in for: on one rank, as before
+            with one_rank_group(dev):
+                measure_each(bare, sharded)
     return Overheads(seconds, statistics.median(bare_times) if bare_times else 0.0, not_measured)
 
 

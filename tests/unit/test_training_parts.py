@@ -106,8 +106,11 @@ def test_memory_and_flops_are_counted_from_the_model():
 
 def test_strategy_overheads_are_measured_on_a_one_rank_group_that_is_then_gone():
     """The real wrappers (DDP, ZeroRedundancyOptimizer, FSDP2, DTensor TP) on a one-member gloo
-    group: FSDP2's hooks, copies and DTensor optimizer cost a gpt-tiny step time on any machine;
-    the bare model's parameters are left untouched (the copies are wrapped, not it)."""
+    group, FSDP2 on a fake group of two (on one rank it skips its all-gathers and their copies:
+    here it runs them): FSDP2's hooks, copies and DTensor optimizer cost a gpt-tiny step time on
+    any machine; the bare model's parameters are left untouched (the copies are wrapped, not it)."""
+    from unittest import mock
+
     import torch.distributed as dist
 
     from training.overhead import measure_overheads
@@ -116,8 +119,12 @@ def test_strategy_overheads_are_measured_on_a_one_rank_group_that_is_then_gone()
     cfg = ModelConfig()
     model = build_model(cfg, seed=0)
     batch = default_collate([markov(8, 64, 256)[i] for i in range(8)])
-    result = measure_overheads(model, cfg, model_loss(cfg), batch, ["ddp", "zero1", "zero3", "tp", "pp"],
-                               torch.device("cpu"), grad_clip=1.0, base=StrategyConfig(), rounds=2, steps=2)
+    gathers, plain = [], dist.all_gather_single
+    with mock.patch.object(dist, "all_gather_single",
+                           lambda *a, **k: gathers.append(dist.get_world_size()) or plain(*a, **k)):
+        result = measure_overheads(model, cfg, model_loss(cfg), batch, ["ddp", "zero1", "zero3", "tp", "pp"],
+                                   torch.device("cpu"), grad_clip=1.0, base=StrategyConfig(), rounds=2, steps=2)
+    assert gathers and set(gathers) == {2}, "FSDP2's all-gathers ran, on the group of two"
     assert set(result.seconds) == {"ddp", "zero1", "zero3", "tp"}
     assert result.seconds["zero3"] > 0 and result.bare_step_s > 0
     assert all(v >= 0 for v in result.seconds.values())
