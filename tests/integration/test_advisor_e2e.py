@@ -74,7 +74,7 @@ def test_two_trials_measure_the_two_best_layouts_and_the_faster_trains(tmp_path)
     assert train["prediction"]["step_time_s"] == pytest.approx(faster["candidate"]["step_time_s"])
     assert train["prediction"]["components"] == {k: faster["candidate"]["prediction"][k] for k in
                                                  ("compute_s", "exposed_comm_s", "bubble_s", "overhead_s",
-                                                  "collective_calls", "seconds_per_sample")}
+                                                  "collective_calls", "seconds_per_sample", "threads")}
     assert trials["result"]["calibration"]["points"] == 2
     assert summary["run"]["layout"] == "auto, 2 trials"
     # Each trial is an MLflow run nested under the plan's, saying which one was chosen.

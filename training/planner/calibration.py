@@ -70,21 +70,28 @@ class Calibration:
     """The same, calibrated (in-sample: the fit's own points)."""
     call_s: float = 0.0
     """Seconds each collective call costs beyond the α–β model."""
-    seconds_per_sample: float | None = None
-    """The median compute per sample the points' components were computed from: the basis the
-    scales were fitted on. A calibrated plan predicts from it rather than from its own fresh timing
-    (one timing on a busy host moves by a third; the scales would carry that into every
-    prediction). None where the points don't record it."""
+    bases: tuple[tuple[int, float], ...] = ()
+    """(threads, the median compute per sample of the points timed with that many threads): the
+    basis the scales were fitted on. A calibrated plan timed with as many threads predicts from it
+    rather than from its own fresh timing (one timing on a busy host moves by a third; the scales
+    would carry that into every prediction). Per thread count: a CPU run alone times its step with
+    every core, a rank of several with its share (on this 2-core host gpt-tiny's 0.69 and 0.87 ms a
+    sample), and one median of both would be neither. Empty where the points don't record it."""
 
     def step_s(self, strategy: str, step: StepPrediction) -> float:
         comm = self.comm_scale.get(strategy, self.default_comm_scale)
         return (self.compute_scale * (step.compute_s + step.overhead_s + step.bubble_s) + comm * step.exposed_comm_s
                 + self.call_s * step.collective_calls)
 
+    def basis(self, threads: int) -> float | None:
+        """The points' median compute per sample timed with `threads` threads; None if none was."""
+        return dict(self.bases).get(threads)
+
     def on_basis(self, hw: Hardware) -> Hardware:
-        """`hw` with the compute timing the scales were fitted on, where the points recorded one:
-        the scales apply to components computed as theirs were."""
-        return dataclasses.replace(hw, seconds_per_sample=self.seconds_per_sample) if self.seconds_per_sample else hw
+        """`hw` with the compute timing the scales were fitted on, where points timed with its
+        threads recorded one: the scales apply to components computed as theirs were."""
+        basis = self.basis(hw.threads_per_device)
+        return dataclasses.replace(hw, seconds_per_sample=basis) if basis else hw
 
     @property
     def default_comm_scale(self) -> float:
@@ -94,8 +101,8 @@ class Calibration:
 
     def describe(self) -> str:
         comm = ", ".join(f"{k} x{v:.2f}" for k, v in sorted(self.comm_scale.items())) or "none measured"
-        basis = (f" on their plans' compute timing ({self.seconds_per_sample * 1e3:.3f} ms a sample, median)"
-                 if self.seconds_per_sample else "")
+        timings = ", ".join(f"{s * 1e3:.3f} ms a sample with {t} thread{'s' if t > 1 else ''}" for t, s in self.bases)
+        basis = f" on their plans' compute timing ({timings}; medians)" if self.bases else ""
         return (f"calibration: {self.points} earlier runs; compute x{self.compute_scale:.2f}{basis}, communication "
                 f"{comm}, +{self.call_s * 1e3:.2f} ms per collective call; rms step-time error on them "
                 f"{self.error_before_pct:.0f} % -> {self.error_after_pct:.0f} %")
@@ -159,7 +166,10 @@ def fit_calibration(points: list[MeasuredStep]) -> Calibration | None:
     weight[0] = 0.0
     ridge = np.diag(weight)
     scales = nonnegative_least_squares(np.vstack([a, ridge]), np.concatenate([np.ones(len(points)), ridge @ prior]))
-    bases = [p.predicted.seconds_per_sample for p in points if p.predicted.seconds_per_sample > 0]
+    timed: dict[int, list[float]] = {}
+    for p in points:
+        if p.predicted.seconds_per_sample > 0 and p.predicted.threads > 0:
+            timed.setdefault(p.predicted.threads, []).append(p.predicted.seconds_per_sample)
     calibration = Calibration(
         compute_scale=float(scales[0]),
         comm_scale={s: float(scales[1 + i]) for i, s in enumerate(comm_strategies)},
@@ -167,7 +177,7 @@ def fit_calibration(points: list[MeasuredStep]) -> Calibration | None:
         error_before_pct=0.0,
         error_after_pct=0.0,
         call_s=float(scales[-1]),
-        seconds_per_sample=statistics.median(bases) if bases else None,
+        bases=tuple((t, statistics.median(s)) for t, s in sorted(timed.items())),
     )
 
     def rms_error(step: Callable[[MeasuredStep], float]) -> float:

@@ -15,10 +15,11 @@ from training.planner.memory import memory_per_device
 from training.planner.step import StepPrediction, step_time
 from training.planner.workload import Workload, feasible
 
-COSTMODEL_VERSION = 3
+COSTMODEL_VERSION = 4
 """Bumped when the predicted components change meaning (2: per-call latency, measured strategy
 overhead; 3: FSDP gathers per micro-batch, the last bucket's reduction never hidden, recomputation
-in compute): plan.calibrate only fits runs predicted by the same version."""
+in compute; 4: FSDP2's overhead timed with its copies, on a fake group of two): plan.calibrate only
+fits runs predicted by the same version."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class Prediction:
     """Collective calls per step in the model."""
     seconds_per_sample: float = 0.0
     """The hardware's measured compute per sample these components were computed from."""
+    threads: int = 0
+    """The threads that compute per sample was timed with (StepPrediction.threads)."""
     expert_parallel_s: float = 0.0
     """Of the communication, expert parallelism's all-to-alls a step (Comm.expert_parallel_s),
     uncalibrated: what the advisor reports for an expert layout."""
@@ -51,7 +54,7 @@ class Prediction:
     def components(self) -> StepPrediction:
         """The uncalibrated components, with their basis: what calibration fits a measured step to."""
         return StepPrediction(self.compute_s, self.exposed_comm_s, self.bubble_s, self.overhead_s,
-                              self.collective_calls, self.seconds_per_sample)
+                              self.collective_calls, self.seconds_per_sample, self.threads)
 
 
 def predict(w: Workload, hw: Hardware, strategy: str, devices: int, memory_limit: float, overlap: float,
@@ -106,6 +109,7 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: ParallelDims, mem
         overhead_s=step.overhead_s,
         collective_calls=step.collective_calls,
         seconds_per_sample=hw.seconds_per_sample,
+        threads=hw.threads_per_device,
         expert_parallel_s=comm.expert_parallel_s,
     )
 

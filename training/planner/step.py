@@ -22,7 +22,10 @@ class StepPrediction:
     """Collectives per step (Comm.calls): what calibration's per-call cost multiplies."""
     seconds_per_sample: float = 0.0
     """The measured compute per sample (one device, alone) the components were computed from: the
-    basis a calibration fitted on them predicts from (Calibration.seconds_per_sample); 0: unknown."""
+    basis a calibration fitted on them predicts from (Calibration.bases); 0: unknown."""
+    threads: int = 0
+    """The threads that timing ran with (a CPU rank's: 2 alone on this 2-core host, 1 a rank at
+    world 2); 0: unknown."""
 
     @property
     def step_s(self) -> float:
