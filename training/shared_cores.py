@@ -40,6 +40,12 @@ KERNEL_WIDTH = 64
 """Width of the MLP the kernel trains (64 -> 256 -> 64, a layer norm, 64 rows): gpt-tiny's."""
 SIZES = (8, 1024 * 1024)
 """The all_reduce sizes the per-call cost is measured at (at most the probe's largest)."""
+SHORT_ITERS = 4
+"""The short stretch's calls are timed this many times as often as the long one's: it is the gap
+FSDP's many calls a step follow (the line's value there is what they are charged), a call's cost
+there is heavy-tailed (gpt-tiny's zero3 calls at world 2: median 0.45 ms, mean 0.85 ms), and its
+iterations are cheap. With the long stretch's count, five repeated plans on the 2-core host this
+was written on charged zero3's calls 0.18-1.0 ms each at that gap."""
 ROUNDS = 5
 """Rounds of every measurement, interleaved; each number is the median over them. On the 2-core
 host this was written on one round's per-call cost ranged from 0 to 2.6 ms at 2 ranks: a moment's
@@ -177,15 +183,15 @@ def measure(max_bytes: int, iters: int, warmup: int) -> SharedCores:
             lone[0] = _mean_time(long, iters, warmup)
         dist.broadcast(lone, src=0)
         alone.append(lone.item())
-        for stretch in (short, long):
+        for stretch, count in ((short, SHORT_ITERS * iters), (long, iters)):
             dist.barrier()
-            together[stretch].append(_slowest(_mean_time(stretch, iters, warmup)))
+            together[stretch].append(_slowest(_mean_time(stretch, count, warmup)))
             for buffer in buffers:
                 dist.barrier()
-                bare = _slowest(_mean_time(lambda buffer=buffer: dist.all_reduce(buffer), iters, warmup))
+                bare = _slowest(_mean_time(lambda buffer=buffer: dist.all_reduce(buffer), count, warmup))
                 dist.barrier()
                 after = _slowest(_mean_time(lambda buffer=buffer, stretch=stretch: (stretch(), dist.all_reduce(buffer)),
-                                            iters, warmup))
+                                            count, warmup))
                 costs[stretch].append(after - together[stretch][-1] - bare)
     (x0, y0), (x1, y1) = ((statistics.median(together[s]), statistics.median(costs[s])) for s in (short, long))
     drift = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 else 0.0
