@@ -107,8 +107,13 @@ def test_zero_stages_shard_what_the_paper_says():
     assert _near(z1.optim_bytes, ddp.optim_bytes / 2)
     assert z2.param_bytes == ddp.param_bytes, "zero2 keeps gathered parameters through backward"
     assert _near(z2.grad_bytes, ddp.grad_bytes / 2) and _near(z2.optim_bytes, ddp.optim_bytes / 2)
-    for field in ("param_bytes", "grad_bytes", "optim_bytes"):
+    for field in ("grad_bytes", "optim_bytes"):
         assert _near(getattr(z3, field), getattr(ddp, field) / 2), field
+    # ZeRO-3's parameters held: half of the blocks', and the root (embeddings, head) whole, gathered
+    # from forward through backward as FSDP2 keeps it (training/parallel/fsdp.py).
+    g = GPT.kwargs
+    root = 4 * (2 * g["vocab_size"] * g["d_model"] + g["seq_len"] * g["d_model"] + 2 * g["d_model"])
+    assert z3.param_bytes == (ddp.param_bytes - root) // 2 + root
 
 
 def test_tp_halves_the_block_linears_and_the_head_and_pp_keeps_one_stage():
