@@ -71,13 +71,9 @@ SHARDED_WORLD = 2
 
 
 @contextlib.contextmanager
-def fake_group(world: int) -> Iterator[bool]:
+def fake_group(world: int) -> Iterator[None]:
     """A fake process group of `world` ranks, this process its rank 0 and every collective a no-op
-    that leaves its output as it was, for the duration; False (and nothing made) when
-    torch.distributed is already up."""
-    if dist.is_initialized():
-        yield False
-        return
+    that leaves its output as it was, for the duration (torch.distributed must not be up)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
@@ -100,9 +96,9 @@ def measure_overheads(
     steps: int = 3,
 ) -> Overheads:
     """Time `model` bare and wrapped by each strategy (a copy of it, wrapped by the real
-    `parallelize` on a one-rank group; FSDP2's on a fake group of SHARDED_WORLD), alternating in `rounds` so a drifting host moves both
-    alike. Both run the training step (training/step.py) on `batch`, in `base`'s precision.
-    `model` comes prepared as the plan measures it (activation checkpointing already applied), so
+    `parallelize` on a one-rank group; FSDP2's on a fake group of SHARDED_WORLD), alternating in
+    `rounds` so a drifting host moves both alike. Both run the training step (training/step.py)
+    on `batch`, in `base`'s precision. `model` comes prepared as the plan measures it (activation checkpointing already applied), so
     neither the bare step nor the wrappers apply it again."""
     from training.contract.spec import model_spec
     from training.parallel.compose import trainable
