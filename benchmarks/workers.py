@@ -62,14 +62,15 @@ def train_vs_hand(inputs: TrainInputs, repeats: int = 5) -> dict:
     return {"ours": statistics.median(ours), "theirs": statistics.median(theirs)}
 
 
-PROBE_REPEATS_BYTES = 8 * 16 * 1024 * 1024
-"""What each side of a probe row sends over its repeats, at least 8 of them. A loop of 20 calls at
-1 MiB lasts ~35 ms on this 2-core host (0.6 GB/s), short enough for the host's noise to move a
-median of 7: the all_reduce 1 MiB row read 1.28 and 0.64 in two full runs of the same probe
-code, while the 16 and 64 MiB rows held within 5 %. With 128 repeats three runs read 0.94, 1.08
-and 0.93 (2026-12-05): narrower, still not within the 5 % of a goal of 0.95, as the host drifts
-between pairs too. With the probe side measured as the stage measures it (its rounds, the median
-of 5 loops at 1 MiB) three runs read 1.01, 0.97 and 0.97 (all_to_all 1.06, 1.01, 1.03)."""
+PROBE_REPEATS_BYTES = 512 * 1024 * 1024
+"""What each side of a probe row sends over its repeats, at least 8 of them: 512 at 1 MiB. A loop of
+20 calls at 1 MiB lasts ~35 ms on this 2-core host, and one loop's mean call time spreads ~3x
+(10th-90th percentile 0.76-2.3 ms over 512 loops, 2026-12-05; 20 or 200 calls a loop alike): the
+state the ranks' threads are in. The row is a ratio of two medians of that; bootstrapped from 256
+measured repeats of each side, its 95 % interval was 0.89-1.13 with one bare loop a repeat and 128
+repeats (the full bench before read 0.91), 0.92-1.08 with the bare side in rounds as the probe
+(probe_vs_bare), and 0.96-1.04 with those and 512 repeats: the goal of 0.95 resolvable. The 16 and
+64 MiB rows held within 1 % with 8."""
 
 
 def probe_repeats(size: int) -> int:
@@ -83,10 +84,11 @@ def probe_vs_bare(job: tuple[str, list[int]], iters: int = 20) -> dict:
     and 20 timed iterations as nccl-tests' defaults, the slowest rank's mean time, the median of
     `probe_repeats(size)`; the two take turns going first (the one that follows a loop meets a
     warmer link). The probe is what the bandwidth stage runs, with its default rounds (a size whose
-    loop lasts under 0.1 s, 1 MiB here, is measured in rounds and keeps the median); the bare loop
-    is one loop, as nccl-tests times it. all_to_all sends each rank's whole buffer, 1/n of it to
+    loop lasts under 0.1 s, 1 MiB here, is measured in rounds and keeps the median); the bare side
+    is nccl-tests' loop, timed as often (the median of `rounds` loops where the probe takes
+    rounds). all_to_all sends each rank's whole buffer, 1/n of it to
     each rank, as nccl-tests' alltoall does."""
-    from training.collectives import bus_factor, probe
+    from training.collectives import SHORT_LOOP_S, bus_factor, probe
     from training.plan_config import BandwidthConfig
 
     collective, sizes = job
@@ -94,9 +96,8 @@ def probe_vs_bare(job: tuple[str, list[int]], iters: int = 20) -> dict:
     n = world_size()
     rounds = BandwidthConfig().rounds
 
-    def bare(size: int) -> float:
-        tensor = torch.zeros(size // 4, device=dev)
-        received = torch.zeros_like(tensor)
+    def loop(tensor: torch.Tensor, received: torch.Tensor) -> float:
+        """One timed loop as nccl-tests times it: the slowest rank's mean seconds a call."""
 
         def once() -> None:
             if collective == "all_to_all":
@@ -114,7 +115,18 @@ def probe_vs_bare(job: tuple[str, list[int]], iters: int = 20) -> dict:
         synchronize(dev)
         elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return size / elapsed.item() / 1e9 * bus_factor(collective, n)
+        return elapsed.item()
+
+    def bare(size: int) -> float:
+        # As many loops as the probe times at this size (its rounds where the loop is short), the
+        # median of them: the two sides at equal effort, so that the row compares their loops, not
+        # one loop's spread against a median's.
+        tensor = torch.zeros(size // 4, device=dev)
+        received = torch.zeros_like(tensor)
+        seconds = [loop(tensor, received)]
+        if seconds[0] * iters < SHORT_LOOP_S:
+            seconds += [loop(tensor, received) for _ in range(rounds - 1)]
+        return size / statistics.median(seconds) / 1e9 * bus_factor(collective, n)
 
     out = {}
     for size in sizes:
