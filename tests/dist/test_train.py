@@ -29,6 +29,8 @@ def test_ddp_lowers_the_loss_and_keeps_replicas_identical(world2):
     assert world2.final_loss < world2.losses[0] - 0.2
     assert world2.ranks_in_sync
     assert world2.samples_per_s > 0 and world2.param_bytes > 0
+    # The step the plan is held against is the window's mean, the same window as samples/s.
+    assert world2.step_time_s == pytest.approx(world2.global_batch / world2.samples_per_s, rel=1e-9)
     # AdamW holds two fp32 moments per parameter (its scalar step counters aside), made with it.
     assert world2.optim_bytes == 2 * world2.param_bytes
 
