@@ -66,8 +66,8 @@ PROBE_REPEATS_BYTES = 512 * 1024 * 1024
 """What each side of a probe row sends over its repeats, at least 8 of them: 512 at 1 MiB. A loop of
 20 calls at 1 MiB lasts ~35 ms on this 2-core host, and one loop's mean call time spreads ~3x
 (10th-90th percentile 0.83-2.3 ms over 512 loops, 2026-12-05; 20 or 200 calls a loop alike): the
-state the ranks' threads are in. The row is a ratio of two medians of that; bootstrapped from 256
-measured repeats of each side, its 95 % interval was 0.89-1.13 with one bare loop a repeat and 128
+state the ranks' threads are in. The row is a ratio of two medians of that; bootstrapped from runs of
+512 and 256 measured repeats a side, its 95 % interval was 0.89-1.13 with one bare loop a repeat and 128
 repeats (the full bench before read 0.91), 0.92-1.08 with the bare side in rounds as the probe
 (probe_vs_bare), and 0.96-1.04 with those and 512 repeats: the goal of 0.95 resolvable. The 16 and
 64 MiB rows held within 1 % with 8."""
