@@ -70,7 +70,8 @@ state the ranks' threads are in. The row is a ratio of two medians of that; boot
 512 and 256 measured repeats a side, its 95 % interval was 0.89-1.13 with one bare loop a repeat and 128
 repeats (the full bench before read 0.91), 0.92-1.08 with the bare side in rounds as the probe
 (probe_vs_bare), and 0.96-1.04 with those and 512 repeats: the goal of 0.95 resolvable. The 16 and
-64 MiB rows held within 1 % with 8."""
+64 MiB rows (one loop a side, 32 and 8 repeats) read 0.948-1.031 over three runs; their spread is
+not yet measured."""
 
 
 def probe_repeats(size: int) -> int:

@@ -98,8 +98,8 @@ def measure_overheads(
     """Time `model` bare and wrapped by each strategy (a copy of it, wrapped by the real
     `parallelize` on a one-rank group; FSDP2's on a fake group of SHARDED_WORLD), alternating in
     `rounds` so a drifting host moves both alike. Both run the training step (training/step.py)
-    on `batch`, in `base`'s precision. `model` comes prepared as the plan measures it (activation checkpointing already applied), so
-    neither the bare step nor the wrappers apply it again."""
+    on `batch`, in `base`'s precision. `model` comes prepared as the plan measures it (activation
+    checkpointing already applied), so neither the bare step nor the wrappers apply it again."""
     from training.contract.spec import model_spec
     from training.parallel.compose import trainable
     from training.step import optimizer_step
