@@ -69,9 +69,11 @@ PROBE_REPEATS_BYTES = 512 * 1024 * 1024
 state the ranks' threads are in. The row is a ratio of two medians of that; bootstrapped from runs of
 512 and 256 measured repeats a side, its 95 % interval was 0.89-1.13 with one bare loop a repeat and 128
 repeats (the full bench before read 0.91), 0.92-1.08 with the bare side in rounds as the probe
-(probe_vs_bare), and 0.96-1.04 with those and 512 repeats: the goal of 0.95 resolvable. The 16 and
-64 MiB rows (one loop a side, 32 and 8 repeats) read 0.948-1.031 over three runs; their spread is
-not yet measured."""
+(probe_vs_bare), and 0.96-1.04 with those and 512 repeats: the goal of 0.95 resolvable. At 16 MiB
+(one loop a side) a loop's busbw spreads far less, 1.21-1.39 GB/s (10th-90th percentile over 128
+repeats a side, both sides alike, 2026-12-05), and the row's bootstrapped 95 % interval is 0.97-1.04
+with its 32 repeats (0.98-1.03 with 64): its one reading of 0.948 in three full benches was the
+host's state during that run, not too few repeats."""
 
 
 def probe_repeats(size: int) -> int:
