@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stages.bandwidth import BandwidthResult
-from stages.common import workbench
+from stages.common import Workbench, workbench
 from training import strategies
 from training.config import StrategyConfig
 from training.expert_gemms import MAX_WEIGHT_BYTES, ExpertGemms
@@ -49,7 +49,8 @@ class Rulers:
     device_memory_bytes: int
     flops_per_sample: float
     step_compute_s: float
-    """Median measured time of one micro-batch forward + backward + step on one device."""
+    """One micro-batch's forward, backward and optimizer step on one device, as the trainer's loop
+    runs it: its mean step (loop_step_s)."""
     strategy_overhead_s: dict[str, float]
     """Per strategy: what its wrapper adds to that step, measured on a one-rank process group; for
     a mixture of experts also `ep`: what expert parallelism's dispatch adds (training/overhead.py)."""
@@ -77,15 +78,32 @@ class Rulers:
     tell them apart."""
 
 
-def _timed_steps(step) -> float:  # noqa: ANN001 - a zero-argument callable
-    """The median step of at least TIMED_STEPS, more while they add up to under a second (every
-    prediction scales this one number: a few more steps of a small model are cheap insurance)."""
-    times: list[float] = []
-    while len(times) < TIMED_STEPS or (sum(times) < TIMED_BUDGET_S and len(times) < MAX_TIMED_STEPS):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def loop_step_s(bench: Workbench, parallel: Any, optimizer: Any, micro: int, cfg: PlanInputs) -> float:
+    """The mean step of the trainer's own loop (training/loop.py) on this device, as the train stage
+    reports its step: each step a fresh micro-batch from the run's loader, the LR schedule stepped,
+    the losses read once, the window's mean (a stall now and then is part of what a step pays).
+    A fixed batch's median step leaves that out: gpt-tiny at micro-batch 8 on the 2-core host this
+    was written on timed 5.50-5.63 ms so, its loop 5.82-5.90 ms (four pairs in one process), and
+    every prediction scales this one number. At least TIMED_STEPS steps, more (up to
+    MAX_TIMED_STEPS) while they add up to under TIMED_BUDGET_S; a first short loop warms up."""
+    import math
+
+    import torch
+
+    from training.data import GlobalBatches, loader
+    from training.loop import LoopShape, lr_lambda, train_loop
+
+    t, steps, mean = cfg.train, TIMED_STEPS, None
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.warmup_steps, t.steps, t.schedule))
+    batches = GlobalBatches(len(bench.dataset), micro, 1, 0, 1, cfg.seed)
+    while mean is None or (mean * steps < TIMED_BUDGET_S and steps < MAX_TIMED_STEPS):
+        if mean is not None:
+            steps = min(MAX_TIMED_STEPS, max(steps + 1, math.ceil(TIMED_BUDGET_S / mean)))
+        data = iter(loader(bench.dataset, batches, 0, steps + 1, cfg.data.num_workers, bench.dev))
+        shape = LoopShape(steps=steps + 1, accum=1, grad_clip=t.grad_clip, log_every=steps + 1, timing_warmup=1)
+        stats = train_loop(parallel, optimizer, scheduler, data, shape, bench.dev)
+        mean = stats.timed_seconds / stats.timed_steps
+    return mean
 
 
 def pass_cost(step: Callable[[list[Any]], Any], batch: Callable[[int], Any], micro: int,
@@ -169,7 +187,7 @@ def measure(cfg: PlanInputs, bandwidth: BandwidthResult, anatomy: Anatomy) -> Ru
     with StepProbe(parallel.model, dev) as probe:
         step(probe, held)
     memory = held[0]
-    compute = _timed_steps(step)
+    compute = loop_step_s(bench, parallel, optimizer, micro, cfg)
     passes = pass_cost(lambda batches: optimizer_step(parallel, optimizer, batches, len(batches), clip, dev),
                        lambda count: to_device(first_samples(bench.dataset, count), dev), micro, dev)
     overheads = measure_overheads(model, cfg.model, bench.loss, batch, list(cfg.plan.strategies or strategies.pure()), dev, clip,
@@ -271,23 +289,12 @@ def extrapolated(cfg: PlanInputs, blocks: int, sliced_s: float, micro: int, anat
 
 
 def _sliced_step_s(cfg: PlanInputs, blocks: int, micro: int) -> float:
-    """The median step of the model's first `blocks` blocks on this device."""
-    from training.contract.calls import to_device
-    from training.data import first_samples
-    from training.dist import synchronize
+    """The loop's mean step (loop_step_s) of the model's first `blocks` blocks on this device."""
     from training.parallel.compose import trainable
-    from training.step import optimizer_step
 
     bench = workbench(cfg.model, cfg.data, cfg.seed, cfg.train.tf32, blocks)
-    batch = to_device(first_samples(bench.dataset, micro), bench.dev)
     parallel, optimizer = trainable(bench.model, bench.spec, step_strategy(cfg), bench.dev, bench.loss)
-
-    def step() -> None:
-        optimizer_step(parallel, optimizer, [batch], 1, cfg.train.grad_clip, bench.dev)
-        synchronize(bench.dev)
-
-    step()
-    return _timed_steps(step)
+    return loop_step_s(bench, parallel, optimizer, micro, cfg)
 
 
 def measured_tiers(bandwidth: BandwidthResult) -> dict[str, Any]:

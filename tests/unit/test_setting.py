@@ -38,3 +38,10 @@ def test_every_stage_that_steps_a_model_uses_trainable_and_the_one_step():
         assert calls(ROOT / name, {"trainable"}) == {"trainable"}, name
     for name in ["training/loop.py", "stages/lr_find.py", "stages/rulers.py", "training/overhead.py"]:
         assert calls(ROOT / name, {"optimizer_step"}) == {"optimizer_step"}, name
+
+
+def test_the_compute_ruler_times_the_trainers_loop():
+    """plan's step time is the train stage's loop (fresh batches, the schedule, the window's mean),
+    not a step of its own: what it predicts is what train measures."""
+    for name in ["stages/setting.py", "stages/rulers.py"]:
+        assert calls(ROOT / name, {"train_loop"}) == {"train_loop"}, name

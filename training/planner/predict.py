@@ -15,11 +15,12 @@ from training.planner.memory import memory_per_device
 from training.planner.step import StepPrediction, step_time
 from training.planner.workload import Workload, feasible
 
-COSTMODEL_VERSION = 4
+COSTMODEL_VERSION = 5
 """Bumped when the predicted components change meaning (2: per-call latency, measured strategy
 overhead; 3: FSDP gathers per micro-batch, the last bucket's reduction never hidden, recomputation
-in compute; 4: FSDP2's overhead timed with its copies, on a fake group of two): plan.calibrate only
-fits runs predicted by the same version."""
+in compute; 4: FSDP2's overhead timed with its copies, on a fake group of two; 5: compute timed as
+the trainer's loop runs it, its loader and schedule included): plan.calibrate only fits runs
+predicted by the same version."""
 
 
 @dataclass(frozen=True)
