@@ -122,7 +122,12 @@ def bench_launchers() -> list[Row]:
 
 
 TRAIN_SPEED_STEPS = 400
-TRAIN_SPEED_REPEATS = 5
+TRAIN_SPEED_REPEATS = 10
+"""Runs a side of the samples/s rows. One run spreads ~3-4 % from the next on this 2-core host (ten
+pairs on Ray, 2026-12-06: Ray 1055-1163 samples/s, local 1087-1234; their medians 0.953), so a
+median of 5 a side read the ratio with an sd of ~2.4 %, as much as the margin between Ray's ~0.955
+and the goal of 0.95 (0.945 in the full bench of 2026-12-05, 0.982 in the one before it); at 10,
+~1.7 %. Each pair is printed, so that a row's spread can be read from the bench's log."""
 
 
 def _train_speed(tmp: Path, launcher: str, args: list[str], head: RayHead) -> dict[str, list[float]]:
@@ -139,4 +144,6 @@ def _train_speed(tmp: Path, launcher: str, args: list[str], head: RayHead) -> di
                  f"hydra.run.dir={run}", f"cache_dir={tmp}/cache-{launcher}-vs-{name}0", env=head.env)
             summary = json.loads((tmp / f"{run}/summary.json").read_text())
             speed[name].append(summary["stages"]["train"]["result"]["samples_per_s"])
+        print(f"   {launcher} vs local, pair {i}: {speed[launcher][-1]:.0f} vs {speed['local'][-1]:.0f} samples/s",
+              flush=True)
     return speed
