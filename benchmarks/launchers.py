@@ -3,6 +3,7 @@ and Slurm where a cluster answers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -59,8 +60,16 @@ class RayHead:
         return f"127.0.0.1:{self.port}"
 
     def stop(self) -> None:
+        """The head's process group, then each process it started, by PID: Ray's workers lead
+        process groups of their own, and one (a Train controller, 2026-12-06) outlived its raylet."""
         import signal
 
+        import psutil
+
+        try:
+            started = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            started = []
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(self.proc.pid, sig)
@@ -71,6 +80,10 @@ class RayHead:
                 break
             except subprocess.TimeoutExpired:
                 continue
+        for proc in started:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(started, timeout=10)
         subprocess.run(["rm", "-rf", self.env["RAY_TMPDIR"]])
 
 
