@@ -19,7 +19,6 @@ from common.files import write_atomic
 from pipelines.cache import code_version, digest, targets_code
 from pipelines.configtools import from_dict, to_jsonable
 from pipelines.schema import Config
-from training.config import WHATIF_PRECISIONS
 from training.contract.check import ContractFacts
 from training.layout_checks import check_layout, check_microbatches
 from training.parallel.dims import ParallelDims, resolve_dims
@@ -44,7 +43,7 @@ def resolve(cfg: Config, gpus_per_node: int | None = None, uses_model: bool = Tr
     if cfg.cluster.measured:  # a what-if plan launches nothing: the workers' limits don't apply
         _check_world(cfg, gpus)
     dims = _check_degrees(cfg, gpus)
-    _check_whatif_precisions(cfg)
+    _check_float8(cfg, dims)
     _check_stage_names(cfg)
     _check_outputs(cfg)
     _check_study_reading(cfg)
@@ -229,20 +228,34 @@ def _check_degrees(cfg: Config, gpus: int | None) -> ParallelDims:
     return dims
 
 
-def _check_whatif_precisions(cfg: Config) -> None:
-    """A what-if precision (fp8) is predicted, never trained: only on a described cluster with its
-    peak, where pipeline=plan runs nothing."""
+def _check_float8(cfg: Config, dims: ParallelDims) -> None:
+    """fp8 (bf16 with float8 linears: training/parallel/float8.py) is trained where torch runs a
+    float8 matmul and the layout has no tensor parallelism, and predicted on a described cluster
+    with an fp8 peak. A measured cluster plans it only from a run in it: its speed is measured."""
     asked = [("strategy.precision", cfg.strategy.precision)]
     asked += [("plan.precisions", p) for p in cfg.plan.precisions or []]
     for key, precision in asked:
-        if precision not in WHATIF_PRECISIONS:
+        if precision != "fp8":
             continue
-        if cfg.cluster.measured:
-            raise ConfigError(key, precision, "is a what-if precision: training Float8 linears is not built; plan it "
-                              "on a described cluster (e.g. cluster=h100-80g-ndr pipeline=plan), or use bf16")
-        if cfg.cluster.fp8_peak_flops is None:
-            raise ConfigError(key, precision, f"cluster={cfg.cluster.name} has no fp8 tensor cores "
-                              "(cluster.fp8_peak_flops is null); use bf16")
+        if not cfg.cluster.measured:
+            if cfg.cluster.fp8_peak_flops is None:
+                raise ConfigError(key, precision, f"cluster={cfg.cluster.name} has no fp8 tensor cores "
+                                  "(cluster.fp8_peak_flops is null); use bf16")
+            continue
+        if cfg.strategy.precision != "fp8":
+            raise ConfigError(key, precision, "is measured on this cluster only by a run in it: set "
+                              "strategy.precision=fp8, or plan it on a described cluster (e.g. cluster=h100-80g-ndr)")
+        if dims.tp > 1:
+            raise ConfigError(key, precision, f"float8 linears are not built for tensor parallelism "
+                              f"(strategy.tp={dims.tp}): use strategy.tp=1 or bf16")
+        if cfg.cluster.accelerator == "cpu":
+            import torch
+
+            from training.parallel.float8 import float8_problem
+
+            problem = float8_problem(torch.device("cpu"))
+            if problem is not None:
+                raise ConfigError(key, precision, f"{problem}; use bf16")
 
 
 def _check_batches(cfg: Config, dims: ParallelDims, facts: ContractFacts) -> None:

@@ -258,6 +258,38 @@ def checkpoint_resume() -> str:
     return f"ddp, zero1, zero3 each resumed at step 8; largest relative loss difference {max(worsts):.1e}"
 
 
+def float8_against_emulation() -> str:
+    """fp8's CUDA path (`torch._scaled_mm`) against the product the CPU computes (training/parallel/
+    float8.py): the same operands, the same numbers but for the order of the fp32 sums; then one
+    Float8Linear forward and backward against bf16. An sm < 8.9 GPU has no float8: refused."""
+    import torch
+    from torch import nn
+
+    from training.parallel.float8 import FORWARD, _mm, apply_float8, float8_problem, to_float8
+
+    dev = torch.device("cuda")
+    problem = float8_problem(dev)
+    if problem is not None:
+        return f"refused as it should be: {problem}"
+    torch.manual_seed(0)
+    x, w = torch.randn(4096, 4096, device=dev), torch.randn(4096, 4096, device=dev) * 0.02
+    (x8, x_inv), (w8, w_inv) = to_float8(x, FORWARD), to_float8(w, FORWARD)
+    gpu = _mm(x8, x_inv, w8.t(), w_inv, torch.bfloat16).float()
+    cpu = _mm(x8.cpu(), x_inv.cpu(), w8.t().cpu(), w_inv.cpu(), torch.bfloat16).float()
+    differ = (gpu.cpu() - cpu).abs().max().item() / cpu.abs().max().item()
+    assert differ < 2.0**-7, f"CUDA float8 product differs from the emulated one by {differ:.2e} of its scale"
+    ref = nn.Linear(4096, 4096, device=dev, dtype=torch.bfloat16)
+    f8 = nn.Linear(4096, 4096, device=dev, dtype=torch.bfloat16)
+    f8.load_state_dict(ref.state_dict())
+    apply_float8([nn.Sequential(f8)])
+    a = torch.randn(8, 512, 4096, device=dev, dtype=torch.bfloat16)
+    out, out8 = ref(a), f8(a)
+    out8.float().square().mean().backward()
+    gap = ((out8 - out).float().norm() / out.float().norm()).item()
+    assert gap < 2.0**-4, f"a Float8Linear's output is {gap:.2%} from bf16's"
+    return f"_scaled_mm vs emulation: {differ:.1e} of scale; Float8Linear vs bf16: {gap:.2%}"
+
+
 def one_gpu(smoke: Smoke) -> None:
     smoke.check("versions", versions)
     smoke.check("bf16 matmul vs peak table", matmul_against_peak)
@@ -269,6 +301,7 @@ def one_gpu(smoke: Smoke) -> None:
     smoke.check("FLOPs at sequence 2048", lambda: flops_at_2048(smoke))
     smoke.check("bf16 ddp vs zero3, 20 steps", lambda: ddp_vs_zero3(smoke))
     smoke.check("checkpoint resume (ddp, zero1, zero3)", checkpoint_resume)
+    smoke.check("fp8: CUDA float8 product vs the CPU's emulation", float8_against_emulation)
 
 
 # ---- several GPUs --------------------------------------------------------------------------

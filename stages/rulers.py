@@ -231,7 +231,7 @@ def expert_gemms(cfg: PlanInputs, anatomy: Anatomy, micro: int, dev) -> ExpertGe
     import torch
 
     from training.expert_gemms import expert_width, measure_expert_gemms
-    from training.parallel.compose import DTYPES
+    from training.parallel.precision import DTYPES
 
     shape = anatomy.shape
     if not shape.experts:

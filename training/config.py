@@ -18,8 +18,6 @@ from training.parallel.schedules import PP_SCHEDULES, virtual_stages_problem
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 AC_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
-WHATIF_PRECISIONS = ("fp8",)
-"""Precisions only a what-if plan of a described cluster predicts: nothing trains in them here."""
 SCHEDULES = ("cosine", "constant")
 
 
@@ -173,9 +171,10 @@ class StrategyConfig:
     reduce-scatter); the model's plan must name its norms `sequence_parallel`. With tp = 1 a no-op."""
     precision: str = "fp32"
     """`fp32`, `bf16` (autocast, or FSDP's mixed precision with fp32 reduction), `fp16` with
-    loss scaling (CUDA only), or `fp8`: bf16 with the linears' matmuls in Float8 (torchao's dynamic
-    scaling, as torchtitan's Float8 runs), a what-if precision for a described cluster with
-    `cluster.fp8_peak_flops` (pipeline=plan): nothing trains in it here."""
+    loss scaling (CUDA only), or `fp8`: bf16 with the blocks' linears' matmuls in float8, scaled
+    per tensor (torchao's "tensorwise" Float8 recipe, as torchtitan runs it: training/parallel/float8.py),
+    trained where torch runs float8 matmuls (CPUs from torch 2.13, CUDA GPUs of capability 8.9+)
+    without tensor parallelism, predicted on a described cluster with `cluster.fp8_peak_flops`."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB."""
     find_unused_parameters: bool = False

@@ -89,12 +89,14 @@ def test_the_memory_audit_counts_the_runs_precision():
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
-def test_fp8_counts_every_linears_matmuls_as_float8(checkpointing):
-    """strategy.precision=fp8 moves the linears' matmuls to fp8 tensor cores, nothing else.
-    gpt-tiny at seq 64: its linears (2 blocks of 12 d^2, a d x 256 head) take 2 FLOPs per weight and
-    token forward and 4 backward. Full checkpointing recomputes each block's forward up to the last
-    tensor backward needs (torch's non-reentrant checkpoint stops early): all but the last linear's
-    output (4 d^2 of the block's 12). Attention (causal half, 6 * layers * d * s^2 per sample, a
+def test_fp8_counts_the_blocks_linears_matmuls_as_float8(checkpointing):
+    """strategy.precision=fp8 moves the blocks' linears' matmuls to fp8 tensor cores, nothing else:
+    the plan counts the model the trainer converts (training/parallel/float8.py), the head in bf16.
+    gpt-tiny at seq 64: its blocks' linears (2 blocks of 12 d^2) take 2 FLOPs per weight and token
+    forward and 4 backward; the d x 256 head's are bf16's. Full checkpointing recomputes each block's
+    forward whole: torch's non-reentrant checkpoint stops once backward's tensors are recomputed, which
+    in bf16 spares the last linear (4 d^2 of the 12), but a Float8Linear's matmul runs inside one
+    autograd Function, whose saved tensors are packed only when it returns. Attention (causal half, 6 * layers * d * s^2 per sample, a
     third more when recomputed) stays bf16, and bf16 itself has no Float8 FLOPs."""
     from training.planner.anatomy import measure_variant
 
@@ -103,11 +105,11 @@ def test_fp8_counts_every_linears_matmuls_as_float8(checkpointing):
     sample = tuple(t.to("meta") for t in first_samples(markov(4, seq, 256), 1))
     fp8, bf16 = (measure_variant(cfg, 0, sample, p, checkpointing) for p in ("fp8", "bf16"))
     full = checkpointing == "full"
-    weights = layers * 12 * d**2 + d * 256
-    assert fp8.float8_flops_per_sample == 6 * weights * seq + full * 2 * layers * (12 - 4) * d**2 * seq
-    assert fp8.executed_flops_per_sample == bf16.executed_flops_per_sample
-    attention = fp8.executed_flops_per_sample - fp8.float8_flops_per_sample
-    assert attention == 6 * layers * d * seq * seq * (4 / 3 if full else 1)
+    weights = layers * 12 * d**2
+    assert fp8.float8_flops_per_sample == 6 * weights * seq + full * 2 * weights * seq
+    assert fp8.executed_flops_per_sample == bf16.executed_flops_per_sample + full * 2 * layers * 4 * d**2 * seq
+    rest = fp8.executed_flops_per_sample - fp8.float8_flops_per_sample
+    assert rest == 6 * layers * d * seq * seq * (4 / 3 if full else 1) + 6 * d * 256 * seq, "attention and head"
     assert bf16.float8_flops_per_sample == 0.0
 
 
@@ -127,6 +129,19 @@ def test_an_fp8_plan_runs_its_linears_at_the_fp8_peak_and_the_rest_at_bf16s(comp
     assert fp8.seconds_per_sample == pytest.approx((rest / 989e12 + cost.float8_flops_per_sample / 1978.9e12) / 0.4)
     assert fp8.peak_flops == 989e12
     assert plan.requested is not None and plan.requested.precision == "fp8"
+
+
+def test_the_search_recommends_fp8_only_where_the_trainer_runs_it_without_tp(compose_cfg):
+    """The trainer refuses fp8 with tensor parallelism (training/parallel/float8.py), so the search
+    offers fp8 only at tp 1; a requested fp8 layout with TP is still predicted (a published run's)."""
+    inputs = plan_inputs(compose_cfg, "pipeline=plan", "cluster=h100-80g-ndr", "nodes=1", "procs_per_node=4",
+                         "strategy=tp", "strategy.precision=fp8", "plan.precisions=[fp8,bf16]", "train.micro_batch=1")
+    plan = whatif(inputs)
+    ranked = [plan.recommended, *plan.candidates, *plan.layouts]
+    assert {c.precision for c in ranked} == {"fp8", "bf16"}
+    assert all(c.dims["tp"] == 1 for c in ranked if c.precision == "fp8")
+    assert any(c.dims["tp"] > 1 and c.precision == "bf16" for c in plan.layouts), "TP is searched, in bf16"
+    assert plan.requested.precision == "fp8" and plan.requested.dims["tp"] == 4
 
 
 MOE_GPT = ModelConfig(kwargs=dict(vocab_size=256, seq_len=64, d_model=64, n_layers=4, n_heads=4, n_experts=4, top_k=2))

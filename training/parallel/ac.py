@@ -35,8 +35,9 @@ _c10d = torch.ops._c10d_functional
 
 SAVED_OPS = frozenset({
     # Matmuls: a block's FLOPs (Linear on 3-D inputs runs as mm; addmm with a bias on 2-D ones; bmm
-    # in attention written out by hand).
+    # in attention written out by hand; _scaled_mm in a Float8Linear).
     _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+    _aten._scaled_mm.default,
     # Attention, whichever kernel runs it: flash/efficient/cuDNN on GPUs, the flash kernel for CPU
     # (what torch 2.13 runs here, and what the meta-device count runs: training/planner/anatomy.py).
     _aten._scaled_dot_product_flash_attention.default,

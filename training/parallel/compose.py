@@ -39,14 +39,13 @@ from training.parallel.ep import (
     reduce_expert_grads,
     rescale_expert_grads,
 )
+from training.parallel.float8 import apply_float8
 from training.parallel.fsdp import ExpertShards, apply_fsdp
 from training.parallel.materialize import materialize
 from training.parallel.pp import apply_pp, build_schedule, is_first, is_last
-from training.parallel.precision import apply_low_precision
+from training.parallel.precision import DTYPES, apply_low_precision
 from training.parallel.schedules import checkpointing_problem, data_parallel_problem
 from training.parallel.tp import apply_tp, sequence_layout, split_loss, sum_partial_grads
-
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -142,10 +141,11 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
         model, specs = _split(model, spec, strategy, dims, mesh["pp"])
         first = is_first(mesh["pp"], strategy.pp_schedule, strategy.pp_virtual_stages)
         last = is_last(mesh["pp"], strategy.pp_schedule, strategy.pp_virtual_stages)
-    # Each part's experts modules (a pipeline stage holds some): split under ep, counted always. Named
-    # before checkpointing wraps the blocks (and their names).
+    # Each part's experts (split under ep, counted always), named before checkpointing renames blocks.
     sites = [part_spec.experts(part, whole=not use.pp) for part, part_spec in zip(parts(model), specs, strict=True)]
     all_sites = [s for part_sites in sites for s in part_sites]
+    if strategy.precision == "fp8":  # before TP, checkpointing and FSDP wrap the blocks' linears
+        apply_float8([b.module for ps in specs for b in ps.live_blocks()], [s.module for s in all_sites])
     split_logits = False
     if use.tp:
         for part, part_spec in zip(parts(model), specs, strict=True):

@@ -12,6 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+"""Each strategy.precision's compute dtype (None: fp32). fp8 computes in bf16 but for the blocks'
+linears, which run in float8 (training/parallel/float8.py)."""
+
 
 def apply_low_precision(model: nn.Module, dtype: torch.dtype) -> dict[nn.Parameter, torch.Tensor]:
     """Replace each floating-point parameter of `model` by a `dtype` copy (tied parameters stay

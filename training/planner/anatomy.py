@@ -37,9 +37,6 @@ from training.memory import AuditRow, SavedActivations, memory_audit
 from training.planner.counting import FlopCount, fused_attention_on_meta
 from training.planner.shape import Activations, Anatomy, Shape, extended, kept_share
 
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
-"""The dtype a precision holds parameters in (fp8: bf16, each linear cast to Float8 inside its matmul)."""
-
 
 def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
@@ -214,7 +211,8 @@ def build_on_meta(cfg: ModelConfig, seed: int, precision: str = "fp32",
     training/parallel/precision.py) and with `checkpointing`."""
     from training.contract.hf import count_experts_as_routed
     from training.parallel.ac import apply_ac
-    from training.parallel.precision import apply_low_precision
+    from training.parallel.float8 import apply_float8
+    from training.parallel.precision import DTYPES, apply_low_precision
 
     with torch.device("meta"):
         model = build_model(cfg, seed)
@@ -222,6 +220,8 @@ def build_on_meta(cfg: ModelConfig, seed: int, precision: str = "fp32",
     if DTYPES[precision] is not None:
         apply_low_precision(model, DTYPES[precision])
     spec = model_spec(model, cfg)
+    if precision == "fp8":  # the blocks' linears, as the trainer converts them (training/parallel/compose.py)
+        apply_float8([b.module for b in spec.blocks], [site.module for site in expert_sites(model, spec)])
     if checkpointing != "none":
         apply_ac(spec.blocks, checkpointing)
     return model, spec
@@ -350,7 +350,7 @@ def _measure_variant(cfg: ModelConfig, seed: int, sample: Batch, precision: str,
     activations = dataclasses.replace(split.per_sample(samples, bool(norms)), block_backward=per_sample,
                                       block_backward_fixed=max(split.block_backward_bytes - per_sample * samples, 0))
     return VariantCost(precision, checkpointing, flops.total / samples, activations,
-                       flops.linear / samples if precision == "fp8" else 0.0)
+                       flops.float8 / samples)
 
 
 def _doubled(batch: Batch) -> Batch:

@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode, bmm_flop, sdpa_backward_flop_count, sdpa_flop_count
 
 LINEAR_OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
-"""What nn.Linear runs forward and backward (a 3-D input is folded to 2-D), and batched experts:
-the matmuls Float8 linears move to fp8 tensor cores (strategy.precision=fp8). Attention's products
-are SDPA's own ops, not these."""
+"""What nn.Linear runs forward and backward (a 3-D input is folded to 2-D), and batched experts.
+Attention's products are SDPA's own ops, not these."""
+FLOAT8_OPS = (torch.ops.aten._scaled_mm,)
+"""What a Float8Linear runs (strategy.precision=fp8: training/parallel/float8.py), on the meta
+device as on a GPU."""
 
 
 class FlopCount:
@@ -54,9 +56,15 @@ class FlopCount:
 
     @property
     def linear(self) -> int:
-        """The linears' share of `total` (LINEAR_OPS): what Float8 linears run in fp8."""
+        """The linears' share of `total` (LINEAR_OPS)."""
         counts = self._mode.get_flop_counts().get("Global", {})
         return sum(counts.get(op, 0) for op in LINEAR_OPS)
+
+    @property
+    def float8(self) -> int:
+        """The share of `total` run in float8 (FLOAT8_OPS): what fp8 tensor cores run."""
+        counts = self._mode.get_flop_counts().get("Global", {})
+        return sum(counts.get(op, 0) for op in FLOAT8_OPS)
 
     @property
     def convention(self) -> str:
