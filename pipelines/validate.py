@@ -229,8 +229,8 @@ def _check_degrees(cfg: Config, gpus: int | None) -> ParallelDims:
 
 
 def _check_float8(cfg: Config, dims: ParallelDims) -> None:
-    """fp8 (bf16 with float8 linears: training/parallel/float8.py) is trained where torch runs a
-    float8 matmul and the layout has no tensor parallelism, and predicted on a described cluster
+    """fp8 (bf16 with float8 linears: training/parallel/float8.py) is trained on CPUs (emulated) and
+    GPUs of compute capability 8.9+, without tensor parallelism, and predicted on a described cluster
     with an fp8 peak. A measured cluster plans it only from a run in it: its speed is measured."""
     asked = [("strategy.precision", cfg.strategy.precision)]
     asked += [("plan.precisions", p) for p in cfg.plan.precisions or []]
@@ -248,12 +248,12 @@ def _check_float8(cfg: Config, dims: ParallelDims) -> None:
         if dims.tp > 1:
             raise ConfigError(key, precision, f"float8 linears are not built for tensor parallelism "
                               f"(strategy.tp={dims.tp}): use strategy.tp=1 or bf16")
-        if cfg.cluster.accelerator == "cpu":
+        if cfg.cluster.accelerator == "cuda":  # where this machine shows the GPUs (else each rank checks its own)
             import torch
 
             from training.parallel.float8 import float8_problem
 
-            problem = float8_problem(torch.device("cpu"))
+            problem = float8_problem(torch.device("cuda", 0)) if torch.cuda.is_available() else None
             if problem is not None:
                 raise ConfigError(key, precision, f"{problem}; use bf16")
 

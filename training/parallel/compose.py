@@ -145,7 +145,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
     sites = [part_spec.experts(part, whole=not use.pp) for part, part_spec in zip(parts(model), specs, strict=True)]
     all_sites = [s for part_sites in sites for s in part_sites]
     if strategy.precision == "fp8":  # before TP, checkpointing and FSDP wrap the blocks' linears
-        apply_float8([b.module for ps in specs for b in ps.live_blocks()], [s.module for s in all_sites])
+        apply_float8([b.module for ps in specs for b in ps.live_blocks()], [s.module for s in all_sites], dev)
     split_logits = False
     if use.tp:
         for part, part_spec in zip(parts(model), specs, strict=True):

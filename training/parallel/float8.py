@@ -3,8 +3,8 @@ in float8, scaled dynamically per tensor, as torchao's Float8Linear runs them in
 Float8 recipe ("tensorwise").
 
 Forward: the input and the weight cast to e4m3 (3 mantissa bits, max 448), each with a scale (a
-power of two) that puts its largest magnitude near e4m3's largest; `torch._scaled_mm` multiplies them and undoes both
-scales into a bf16 output. Backward: the output's gradient cast to e5m2 (2 mantissa bits, max
+power of two) that puts its largest magnitude near e4m3's largest; `torch._scaled_mm` multiplies
+them and undoes both scales into a bf16 output. Backward: the output's gradient cast to e5m2 (2 mantissa bits, max
 57344: gradients need range more than precision) and multiplied with the e4m3 weight (the input's
 gradient) and with the e4m3 input (the weight's gradient). The parameters stay what bf16 keeps
 (bf16 compute copies, fp32 masters), so FSDP, DDP, checkpoints and the optimizer see no difference,
@@ -104,13 +104,18 @@ def eligible(module: nn.Module) -> bool:
             and module.out_features % DIM_MULTIPLE == 0)
 
 
-def apply_float8(blocks: Iterable[nn.Module], experts: Iterable[nn.Module] = ()) -> int:
+def apply_float8(blocks: Iterable[nn.Module], experts: Iterable[nn.Module] = (),
+                 device: torch.device | None = None) -> int:
     """Every eligible nn.Linear inside `blocks` (the model's repeated blocks: the embeddings and
     the output head, outside them, stay in bf16) made a Float8Linear in place: its class swapped,
     its parameters, hooks and names kept. A layer holding one of `experts` (a mixture's layer:
     its router and experts) stays in bf16 whole: a router's scores pick the experts, and float8
     would change which. Before tensor parallelism, checkpointing and FSDP wrap the blocks, as
-    torchtitan converts a model. Returns how many were converted."""
+    torchtitan converts a model. Returns how many were converted; raises ValueError where `device`
+    runs no float8 matmul."""
+    problem = float8_problem(device) if device is not None else None
+    if problem is not None:
+        raise ValueError(f"strategy.precision=fp8 {problem}; use bf16")
     experts = set(experts)
     count = 0
     for block in blocks:
