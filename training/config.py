@@ -173,8 +173,8 @@ class StrategyConfig:
     """`fp32`, `bf16` (autocast, or FSDP's mixed precision with fp32 reduction), `fp16` with
     loss scaling (CUDA only), or `fp8`: bf16 with the blocks' linears' matmuls in float8, scaled
     per tensor (torchao's "tensorwise" Float8 recipe, as torchtitan runs it: training/parallel/float8.py),
-    trained where torch runs float8 matmuls (CPUs from torch 2.13, CUDA GPUs of capability 8.9+)
-    without tensor parallelism, predicted on a described cluster with `cluster.fp8_peak_flops`."""
+    trained on CUDA GPUs of compute capability 8.9+ and on CPUs (an emulated product: the same
+    numbers) without tensor parallelism, predicted on a described cluster with `cluster.fp8_peak_flops`."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB."""
     find_unused_parameters: bool = False
