@@ -87,11 +87,35 @@ def test_sequence_parallel_moves_tps_bytes_as_all_gathers_and_reduce_scatters():
     reduces = 4 * LAYERS  # two forward, two backward
     assert plain == pytest.approx(reduces * (activation * bus_factor("all_reduce", 2) / 1e9 + 1e-6))
     # Forward two all-gathers and two reduce-scatters, backward two reduce-scatters and four
-    # all-gathers (the saved shards gathered again), each a whole activation.
-    moved = 10 * LAYERS
+    # all-gathers (the saved shards gathered again), each a whole activation; and two all-gathers
+    # outside the blocks (the final norm's output, the embedding's gradient).
+    moved = 10 * LAYERS + 2
     assert sp == pytest.approx(moved * (activation * bus_factor("all_gather", 2) / 1e9 + 1e-6))
     full = comm_time(SHAPE, "ddp", d, B, 1, 1, "fp32", link, sequence_parallel=True, recompute="full").tensor_parallel_s
-    assert full == pytest.approx(sp * 14 / 10), "full recomputation repeats the forward's four"
+    assert full == pytest.approx(sp * (moved + LAYERS) / moved), "full recomputation repeats attention's reduce-scatter"
+
+
+def test_a_pipeline_runs_each_layers_collectives_once_per_microbatch():
+    """Under PP each stage runs its layers once per microbatch: TP's and CP's calls (each a latency)
+    multiply by the microbatches, their bytes (the micro-batch's activations) do not."""
+    seen: dict[str, list[tuple[float, int]]] = {}
+
+    class Counting(Link):
+        def time(self, collective: str, nbytes: float, n: int, calls: int = 1) -> float:
+            seen.setdefault(collective, []).append((nbytes, calls))
+            return super().time(collective, nbytes, n, calls)
+
+    def moved(microbatches: int) -> dict[str, tuple[float, int]]:
+        seen.clear()
+        comm_time(SHAPE, "ddp", ParallelDims(pp=2, tp=2, cp=2), B, 1, microbatches, "fp32",
+                  lambda c, g: Counting(alpha_s=1e-6, busbw_gbps=1.0, world=2), sequence_parallel=True)
+        return {c: (sum(b for b, _ in v), sum(k for _, k in v)) for c, v in seen.items() if c != "broadcast"}
+
+    one, four = moved(1), moved(4)
+    for collective in ("all_gather", "reduce_scatter"):  # SP's and CP's
+        assert four[collective][0] == pytest.approx(one[collective][0])
+        assert four[collective][1] == 4 * one[collective][1]
+    assert four["all_reduce"] == one["all_reduce"], "the gradients' reduction is once a step"
 
 
 def test_sequence_parallel_shards_what_tp_alone_leaves_whole():

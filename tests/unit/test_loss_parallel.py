@@ -89,19 +89,104 @@ def _collectives(model_cfg: ModelConfig, tp: int = 2, strategy: StrategyConfig |
         dist.destroy_process_group()
 
 
-def test_the_trainers_tp_collectives_are_the_cost_models_with_and_without_the_split_head():
-    """A 2-layer GPT at tp=2: two all-reduces per layer in forward (the row-split outputs), two in
-    backward (the inputs of q, k, v together and of the MLP's first linear: SharingColwise), 8 in
-    all as the cost model counts them; the split head adds four (forward: the max, the sum of
-    exponentials and the target's logit per position; backward: the head's input gradient)."""
+BACKEND_OPS = {"c10d::allreduce_": "all_reduce", "c10d::allgather_into_tensor_coalesced_": "all_gather",
+               "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter"}
+"""The process group's own operations under DTensor's collectives, by the cost model's names."""
 
-    def calls(head_params: int) -> int:
-        shape = Shape(params=10**6, layers=2, block_linear_params=10**5, hidden=H, seq_len=16, heads=4,
-                      first_stage_params=V * H, last_stage_params=V * H, head_params=head_params)
-        return comm_time(shape, "ddp", ParallelDims(tp=2), 2, 1, 1, "fp32", _link).calls
 
-    assert _collectives(OWN_LOSS) == (calls(0), calls(0)) == (8, 8)
-    assert _collectives(GPT) == (calls(V * H), calls(V * H)) == (12, 12)
+def _executed(model_cfg: ModelConfig, strategy: StrategyConfig, tp: int = 2) -> Counter[str]:
+    """The collectives a step's forward + backward (and the gradient sums after it) runs at `tp`, as rank 0 of a
+    fake process group runs it: the process group's operations, as torch's profiler records them.
+    Counted there, not at torch's Python functions: a reduction selective checkpointing keeps is
+    called again in the recomputed forward, and the checkpoint's cache answers it without the
+    process group (ProcessGroup calls made from Python under a dispatch mode, which TP makes none
+    of, would be recorded twice)."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from training.contract.calls import model_loss
+    from training.parallel.compose import parallelize
+
+    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+    try:
+        model = build_model(model_cfg, 0)
+        parallel = parallelize(model, model_spec(model, model_cfg), strategy, torch.device("cpu"), model_loss(model_cfg))
+        tokens = torch.zeros(2, 16, dtype=torch.long)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            parallel.forward_backward((tokens, tokens), 1.0)
+            for finish in parallel.after_backward:  # the step's sums of partial gradients
+                finish()
+        return Counter(BACKEND_OPS[e.name] for e in prof.events() if e.name in BACKEND_OPS)
+    finally:
+        dist.destroy_process_group()
+
+
+def _priced(shape: Shape, strategy: StrategyConfig) -> Counter[str]:
+    """The calls comm_time prices for `strategy` at tp=2 on `shape`, by collective."""
+    from training.planner.comm import Link
+
+    seen: Counter[str] = Counter()
+
+    class Counting(Link):
+        def time(self, collective: str, nbytes: float, n: int, calls: int = 1) -> float:
+            if n > 1 and nbytes > 0:
+                seen[collective] += calls
+            return super().time(collective, nbytes, n, calls)
+
+    comm_time(shape, "ddp", ParallelDims(tp=2), 2, 1, 1, strategy.precision,
+              lambda c, g: Counting(alpha_s=1e-5, busbw_gbps=1.0, world=2), recompute=strategy.activation_checkpointing,
+              sequence_parallel=strategy.sequence_parallel)
+    return seen
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
+def test_the_trainers_tp_collectives_are_the_cost_models(precision, sequence_parallel, checkpointing):
+    """A 2-layer GPT at tp=2, its head split by vocabulary and without (the user's own loss), in
+    bf16 and fp8, with and without SP, under each checkpointing mode: the collectives its step runs,
+    by kind, are the ones the cost model prices from the model's shape. Per layer: TP 2 all-reduces
+    forward and 2 backward (q, k and v share one: SharingColwise, which under checkpointing
+    shares too), full checkpointing one more (attention's row split recomputed; the block's last
+    not); SP 6 all-gathers and 4 reduce-scatters (one more under full) and 2 all-gathers outside
+    the blocks, and after backward one all-reduce of the norms' partial gradients; fp8 20 scalar
+    all-reduces of its scales (28 under checkpointing). The split head adds 4 all-reduces (the
+    loss's three per position and the head's input gradient)."""
+    from training.planner.anatomy import shape_of
+
+    strategy = StrategyConfig(name="tp", precision=precision, sequence_parallel=sequence_parallel,
+                              activation_checkpointing=checkpointing)
+    for cfg in (GPT, OWN_LOSS):
+        model = build_model(cfg, 0)
+        shape = shape_of(model, model_spec(model, cfg), H, 16)
+        assert (shape.tp_column_linears, shape.tp_row_linears) == (4 * 2, 2 * 2)  # q, k, v, w1; wo, w2
+        assert _executed(cfg, strategy) == _priced(shape, strategy)
+    layer_scales = 0 if precision == "bf16" else 20 + 8 * (checkpointing != "none")
+    split_head = 4
+    if sequence_parallel:
+        expected = {"all_gather": 2 * 6 + 2, "reduce_scatter": 2 * (4 + (checkpointing == "full")),
+                    "all_reduce": 2 * layer_scales + split_head + 1}  # + the norms' partial gradients, summed
+    else:
+        expected = {"all_reduce": 2 * (4 + (checkpointing == "full") + layer_scales) + split_head}
+    assert _executed(GPT, strategy) == expected
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_a_hugging_face_llamas_tp_collectives_in_fp8_are_the_cost_models(compose_cfg, sequence_parallel, checkpointing):
+    """Hugging Face's Llama (its own plan: q, k, v, gate and up split by columns, o and down by
+    rows; the head by vocabulary) at tp=2 in fp8: each Float8 linear's scale reductions, and the rest,
+    as the cost model prices them from the model's shape."""
+    from training.planner.anatomy import shape_of
+
+    cfg = compose_cfg("model=hf-llama", "tracking=none").model
+    strategy = StrategyConfig(name="tp", precision="fp8", sequence_parallel=sequence_parallel,
+                              activation_checkpointing=checkpointing)
+    model = build_model(cfg, 0)
+    shape = shape_of(model, model_spec(model, cfg), model.config.hidden_size, 16)
+    assert (shape.tp_column_linears, shape.tp_row_linears) == (5 * shape.layers, 2 * shape.layers)
+    assert _executed(cfg, strategy) == _priced(shape, strategy)
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
@@ -111,18 +196,17 @@ def test_a_moe_layer_under_sequence_parallelism_takes_whole_tokens_and_reduce_sc
     the dense blocks they make 2 reduce-scatters fewer each (forward and backward) and, where the
     column-split linears re-gather their saved shard (no checkpointing), one all-gather fewer: what
     the cost model takes off."""
+    from training.planner.anatomy import shape_of
+
     moe = dataclasses.replace(OWN_LOSS, kwargs={**OWN_LOSS.kwargs, "n_experts": 4, "top_k": 2})
     strategy = StrategyConfig(name="tp", sequence_parallel=True, activation_checkpointing=checkpointing)
-
-    def calls(experts: tuple[int, ...]) -> int:
-        shape = Shape(params=10**6, layers=2, block_linear_params=10**5, hidden=H, seq_len=16, heads=4,
-                      first_stage_params=V * H, last_stage_params=V * H, experts=experts,
-                      expert_params=1000 if experts else 0, top_k=2 if experts else 0)
-        return comm_time(shape, "ddp", ParallelDims(tp=2), 2, 1, 1, "fp32", _link, recompute=checkpointing,
-                         sequence_parallel=True).calls
-
-    measured = _collectives(moe, strategy=strategy)[1] - _collectives(OWN_LOSS, strategy=strategy)[1]
-    assert measured == calls((4, 4)) - calls(()) == -2 * (2 + (checkpointing == "none"))
+    model = build_model(moe, 0)
+    shape = shape_of(model, model_spec(model, moe), H, 16)
+    assert shape.experts == (4, 4)
+    executed, dense = _executed(moe, strategy), _executed(OWN_LOSS, strategy)
+    assert executed == _priced(shape, strategy)
+    assert dense["reduce_scatter"] - executed["reduce_scatter"] == 2 * 2
+    assert dense["all_gather"] - executed["all_gather"] == 2 * (checkpointing == "none")
 
 
 def _link(collective, group):  # noqa: ANN001, ANN202 - any α–β link: only the calls are counted

@@ -127,6 +127,10 @@ def apply_tp(model: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh,
                 in_block = id(model.get_submodule(name)) in inside
                 styles[name] = GatheringNorm(in_block, sequence.keep_shards and in_block)
     parallelize_module(model, tp_mesh, styles)
+    for name, style in styles.items():  # a split region ends where a row split starts
+        if isinstance(style, RowwiseParallel):
+            model.get_submodule(name).register_forward_pre_hook(last_input.clear)
+    model.register_forward_hook(last_input.clear)
     if split_head:  # after the style's own hook, which makes the DTensor the model hands on
         model.get_submodule(head).register_forward_hook(_mark_split_logits)
     if sequence is not None:
@@ -141,18 +145,22 @@ def apply_tp(model: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh,
 
 
 class _LastInput:
-    """The whole input the last column-split linear took, and the DTensor made of it."""
+    """The whole input the last column-split linear took, and the DTensor made of it, held until
+    the split region ends (a row split starts, or the forward returns): under checkpointing nothing
+    else keeps it, and a weak reference let q, k and v each all-reduce their own input gradient."""
 
     def __init__(self):
         self.source: weakref.ref | None = None
-        self.shared: weakref.ref | None = None
+        self.shared: DTensor | None = None
 
     def of(self, x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-        shared = self.shared() if self.shared is not None and self.source() is x else None
-        if shared is None:
-            shared = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-            self.source, self.shared = weakref.ref(x), weakref.ref(shared)
-        return shared
+        if self.shared is None or self.source is None or self.source() is not x:
+            self.shared = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            self.source = weakref.ref(x)
+        return self.shared
+
+    def clear(self, *_: Any) -> None:
+        self.source = self.shared = None
 
 
 class SharingColwise(ColwiseParallel):

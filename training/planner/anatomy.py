@@ -34,6 +34,7 @@ from training.contract.calls import (
 from training.contract.experts import capacity_factor_of
 from training.contract.spec import ExpertSite, ModelSpec, model_spec, tp_divisors
 from training.memory import AuditRow, SavedActivations, memory_audit
+from training.parallel.float8 import eligible as float8_eligible
 from training.planner.counting import FlopCount, fused_attention_on_meta
 from training.planner.shape import Activations, Anatomy, Shape, extended, kept_share
 
@@ -154,6 +155,9 @@ def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> 
     except ContractError:
         norms = []  # sequence parallelism is not an option for this model
     head = spec.head(model) if plan else None
+    inside = {id(m) for b in spec.blocks for m in b.module.modules()}
+    split_linears = [(style, m) for name, style in plan.items()
+                     if id(m := model.get_submodule(name)) in inside and float8_eligible(m)]
     divisors = tp_divisors(model, plan) if plan else {}
     heads = max((v for k, v in divisors.items() if not k.endswith("_features")), default=1)
     try:
@@ -185,6 +189,8 @@ def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> 
         tp_sizes=tuple(sorted(set(divisors.values()))),
         pipeline=pipeline,
         head_params=count_params(model.get_submodule(head)) if head is not None else 0,
+        tp_column_linears=sum(style.startswith("colwise") for style, _ in split_linears),
+        tp_row_linears=sum(style.startswith("rowwise") for style, _ in split_linears),
     )
 
 

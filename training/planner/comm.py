@@ -219,28 +219,50 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
         tail += edp_tail
     activation = activation_tensor_bytes(micro_batch, shape.seq_len, shape.hidden, dtype_bytes) / d.cp
     layers = math.ceil(shape.layers / d.pp)
-    # TP, inside its group: Megatron's collectives of one b x s x h activation each.
-    # Per layer and micro-batch: forward two all-reduces, backward two; full recomputation repeats
-    # the forward's. With sequence parallelism (measured: tests/dist/test_sequence_parallel.py)
-    # forward is two all-gathers and two reduce-scatters, backward two reduce-scatters and four
-    # all-gathers (two re-gather the saved shards, as Megatron does); full recomputation repeats the
-    # forward's four, selective its two all-gathers (the reduce-scatters' outputs are kept).
-    per_layer = layers * grad_accum
+    # Each layer runs once per pipeline microbatch (and micro-batch), a collective per run: the
+    # calls below are per `chunk`, each moving a chunk's share of the micro-batch's activation.
+    chunks = grad_accum * (microbatches if d.pp > 1 else 1)
+    chunk = activation * grad_accum / chunks
+    per_layer = layers * chunks
+    # TP, inside its group: Megatron's collectives of one b x s x h activation each, counted on the
+    # trainer's step (a fake process group, every checkpointing mode, with and without SP:
+    # tests/unit/test_loss_parallel.py). Per layer: forward two all-reduces (the row-split
+    # outputs), backward two (the input gradients of q, k and v together and of the MLP's first
+    # linear). With sequence parallelism: forward two all-gathers and two reduce-scatters; backward
+    # two reduce-scatters and four all-gathers (two the reduce-scatters' gradients, two re-gather a
+    # column split's input: its saved shard without checkpointing, in the recomputed forward with
+    # it). Full checkpointing recomputes the row split inside the block (attention's output) and
+    # so its reduction, not the block's last (nothing the block saves is computed from that one);
+    # selective keeps both reductions (its policy saves them: training/parallel/ac.py).
+    rereduced = 1 if recompute == "full" else 0
     if sequence_parallel:
-        gathers = per_layer * (6 + {"full": 2, "selective": 2}.get(recompute, 0))
-        scatters = per_layer * (4 + (2 if recompute == "full" else 0))
+        # Outside the blocks, a micro-batch gathers the final norm's output for the head (last
+        # stage) and the embedding's gradient (first stage: its output is cut by position).
+        ends = 2 if d.pp == 1 or v_shaped else 1
+        gathers = per_layer * 6 + ends * chunks
+        scatters = per_layer * (4 + rereduced)
         # A MoE layer is in no TP plan: it takes the gathered norm output whole and cuts its output
         # by position (training/parallel/tp.py), so its feed-forward reduce-scatters nothing, in
         # forward or backward, nor re-gathers a saved shard (measured, fake process group:
         # tests/unit/test_loss_parallel.py).
-        moe = math.ceil(shape.moe_layers / d.pp) * grad_accum
+        moe = math.ceil(shape.moe_layers / d.pp) * chunks
         gathers -= moe * (1 if recompute == "none" else 0)
         scatters -= moe * 2
-        tp_s = (call("all_gather", activation * gathers, tp_group, gathers)
-                + call("reduce_scatter", activation * scatters, tp_group, scatters))
+        tp_s = (call("all_gather", chunk * gathers, tp_group, gathers)
+                + call("reduce_scatter", chunk * scatters, tp_group, scatters))
     else:
-        reduces = per_layer * (4 + (2 if recompute == "full" else 0))
-        tp_s = call("all_reduce", activation * reduces, tp_group, reduces)
+        reduces = per_layer * (4 + rereduced)
+        tp_s = call("all_reduce", chunk * reduces, tp_group, reduces)
+    if precision == "fp8" and d.tp > 1:
+        # Float8 linears under TP (training/parallel/float8.py): each cast's per-tensor scale is the
+        # amax of the whole tensor, one scalar all-reduce over the TP group for each split operand:
+        # a column split's weight in forward, its weight and output gradient in backward; a row
+        # split's input and weight in forward and again in backward. Checkpointing (either mode)
+        # casts the forward's operands again (torchao's tensorwise scaling under TP, the same calls).
+        share = layers / max(shape.layers, 1)
+        column, row = shape.tp_column_linears * share, shape.tp_row_linears * share
+        scales = math.ceil((column + 2 * row) * (2 if recompute != "none" else 1) + 2 * column + 2 * row) * chunks
+        tp_s += call("all_reduce", 4 * scales, tp_group, scales)
     whole = shape.tp_whole_params + (shape.sequence_norm_params if sequence_parallel else 0)
     if whole and d.tp > 1:
         # Parameters kept whole beside split activations get partial gradients, summed over the TP
@@ -259,21 +281,20 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
         # forward all-reduces three fp32 values per position (the max, the sum of exponentials,
         # the target's logit), backward the head's input gradient (a column split's partial sums).
         positions = micro_batch * shape.seq_len / d.cp * grad_accum
-        heads = grad_accum * (microbatches if d.pp > 1 else 1)  # the head runs once per microbatch
-        tp_s += (call("all_reduce", 3 * 4 * positions, tp_group, 3 * heads)
-                 + call("all_reduce", activation * grad_accum, tp_group, heads))
+        tp_s += (call("all_reduce", 3 * 4 * positions, tp_group, 3 * chunks)
+                 + call("all_reduce", activation * grad_accum, tp_group, chunks))
     # CP: each block all-gathers this rank's K and V over the cp group in forward (again in backward
     # under full recomputation) and reduce-scatters their gradients in backward: 2 x s x b x kv / tp
     # gathered per layer and micro-batch (training/parallel/cp.py; the gathered K/V are the
     # heads SDPA sees: Shape.kv_width, all of them where a model expands grouped K/V heads first).
     cp_s = 0.0
     if d.cp > 1:
-        kv = 2 * activation_tensor_bytes(micro_batch, shape.seq_len, shape.kv, dtype_bytes) / d.tp
+        kv = 2 * activation_tensor_bytes(micro_batch, shape.seq_len, shape.kv, dtype_bytes) / d.tp * grad_accum / chunks
         # Collectives are recomputed under selective checkpointing too (its policy keeps no all-gather).
-        gathers = layers * grad_accum * (2 if recompute in ("full", "selective") else 1)
+        gathers = per_layer * (2 if recompute in ("full", "selective") else 1)
         cp_group = group_of(d, "cp", devices_per_node)
         cp_s = (call("all_gather", kv * gathers, cp_group, gathers)
-                + call("reduce_scatter", kv * layers * grad_accum, cp_group, layers * grad_accum))
+                + call("reduce_scatter", kv * per_layer, cp_group, per_layer))
     # PP: each microbatch's activations forward and their gradients back, between two stages; with
     # v stages per rank every microbatch crosses v times as many stage boundaries.
     pp_calls = 2 * microbatches * grad_accum * virtual
