@@ -43,7 +43,7 @@ def resolve(cfg: Config, gpus_per_node: int | None = None, uses_model: bool = Tr
     if cfg.cluster.measured:  # a what-if plan launches nothing: the workers' limits don't apply
         _check_world(cfg, gpus)
     dims = _check_degrees(cfg, gpus)
-    _check_float8(cfg, dims)
+    _check_float8(cfg)
     _check_stage_names(cfg)
     _check_outputs(cfg)
     _check_study_reading(cfg)
@@ -228,10 +228,10 @@ def _check_degrees(cfg: Config, gpus: int | None) -> ParallelDims:
     return dims
 
 
-def _check_float8(cfg: Config, dims: ParallelDims) -> None:
+def _check_float8(cfg: Config) -> None:
     """fp8 (bf16 with float8 linears: training/parallel/float8.py) is trained on CPUs (emulated) and
-    GPUs of compute capability 8.9+, without tensor parallelism, and predicted on a described cluster
-    with an fp8 peak. A measured cluster plans it only from a run in it: its speed is measured."""
+    GPUs of compute capability 8.9+, under every layout, and predicted on a described cluster with
+    an fp8 peak. A measured cluster plans it only from a run in it: its speed is measured."""
     asked = [("strategy.precision", cfg.strategy.precision)]
     asked += [("plan.precisions", p) for p in cfg.plan.precisions or []]
     for key, precision in asked:
@@ -245,9 +245,6 @@ def _check_float8(cfg: Config, dims: ParallelDims) -> None:
         if cfg.strategy.precision != "fp8":
             raise ConfigError(key, precision, "is measured on this cluster only by a run in it: set "
                               "strategy.precision=fp8, or plan it on a described cluster (e.g. cluster=h100-80g-ndr)")
-        if dims.tp > 1:
-            raise ConfigError(key, precision, f"float8 linears are not built for tensor parallelism "
-                              f"(strategy.tp={dims.tp}): use strategy.tp=1 or bf16")
         if cfg.cluster.accelerator == "cuda":  # where this machine shows the GPUs (else each rank checks its own)
             import torch
 

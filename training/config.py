@@ -174,7 +174,7 @@ class StrategyConfig:
     loss scaling (CUDA only), or `fp8`: bf16 with the blocks' linears' matmuls in float8, scaled
     per tensor (torchao's "tensorwise" Float8 recipe, as torchtitan runs it: training/parallel/float8.py),
     trained on CUDA GPUs of compute capability 8.9+ and on CPUs (an emulated product: the same
-    numbers) without tensor parallelism, predicted on a described cluster with `cluster.fp8_peak_flops`."""
+    numbers) under every layout, predicted on a described cluster with `cluster.fp8_peak_flops`."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB."""
     find_unused_parameters: bool = False

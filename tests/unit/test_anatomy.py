@@ -131,16 +131,17 @@ def test_an_fp8_plan_runs_its_linears_at_the_fp8_peak_and_the_rest_at_bf16s(comp
     assert plan.requested is not None and plan.requested.precision == "fp8"
 
 
-def test_the_search_recommends_fp8_only_where_the_trainer_runs_it_without_tp(compose_cfg):
-    """The trainer refuses fp8 with tensor parallelism (training/parallel/float8.py), so the search
-    offers fp8 only at tp 1; a requested fp8 layout with TP is still predicted (a published run's)."""
+def test_the_search_offers_fp8_with_tp(compose_cfg):
+    """The trainer runs fp8 under TP (its scales reduced over the TP ranks: training/parallel/
+    float8.py), so the search offers it there (its reductions priced as the trainer makes them:
+    tests/unit/test_loss_parallel.py)."""
     inputs = plan_inputs(compose_cfg, "pipeline=plan", "cluster=h100-80g-ndr", "nodes=1", "procs_per_node=4",
-                         "strategy=tp", "strategy.precision=fp8", "plan.precisions=[fp8,bf16]", "train.micro_batch=1")
+                         "strategy=tp", "strategy.precision=fp8", "plan.precisions=[fp8,bf16]", "train.micro_batch=1",
+                         "plan.strategies=[tp]")
     plan = whatif(inputs)
     ranked = [plan.recommended, *plan.candidates, *plan.layouts]
-    assert {c.precision for c in ranked} == {"fp8", "bf16"}
-    assert all(c.dims["tp"] == 1 for c in ranked if c.precision == "fp8")
-    assert any(c.dims["tp"] > 1 and c.precision == "bf16" for c in plan.layouts), "TP is searched, in bf16"
+    with_tp = {c.precision: c for c in ranked if c.dims["tp"] == 4}
+    assert set(with_tp) == {"fp8", "bf16"}
     assert plan.requested.precision == "fp8" and plan.requested.dims["tp"] == 4
 
 

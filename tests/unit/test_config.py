@@ -48,8 +48,6 @@ BAD = [
      "strategy.ep=2: must divide the ranks it is carved out of, dp_shard = 1"),
     (["model=gpt-moe-tiny", "strategy=hybrid", "strategy.cp=2", "strategy.tp=2", "strategy.ep=8", "nodes=4"],
      "strategy.ep=8: must divide the ranks it is carved out of, dp_shard x cp x tp = 4"),
-    (["strategy=tp", "strategy.precision=fp8"],
-     "strategy.precision='fp8': float8 linears are not built for tensor parallelism (strategy.tp=2)"),
     (["plan.precisions=[bf16,fp8]"], "plan.precisions='fp8': is measured on this cluster only by a run in it"),
     (["pipeline=plan", "cluster=a100-80g-ib", "strategy.precision=fp8"],
      "strategy.precision='fp8': cluster=a100-80g-ib has no fp8 tensor cores (cluster.fp8_peak_flops is null)"),

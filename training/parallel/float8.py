@@ -16,6 +16,13 @@ tensor cores' matmul needs, applied on every device so that a CPU runs the progr
 The output head stays in bf16, as torchtitan leaves it (the logits' precision matters for the
 loss), and so does a mixture's layer (its router, and its experts: grouped weights, not nn.Linear).
 
+Under tensor parallelism a split linear's weight and input are DTensors, and so is everything
+here: the scale of a split operand is the amax of the whole tensor (one scalar all-reduce over the
+TP ranks, by DTensor's reduction: forward a column split's weight, a row split's input and weight;
+backward those again and a column split's output gradient), so every TP rank casts with the scale
+one process would use, and the products run as DTensor's matmul (torch._scaled_mm has a sharding
+rule). torchao's Float8Linear under torchtitan's TP makes the same reductions.
+
 Where: CUDA GPUs of compute capability 8.9 and later (Ada, Hopper, Blackwell) multiply with
 `torch._scaled_mm`; a CPU computes the same numbers with an emulated product (`_mm`), at about
 bf16's speed: a CPU run rehearses fp8's numerics and memory, not a GPU's fp8 speed-up.

@@ -56,8 +56,6 @@ def search(space: Space, shape: Shape, hw: Hardware, tokens_per_sample: int, mod
             continue
         buckets = space.bucket_caps_mb if strategies.get(flavour).wrapper == "ddp" and d.dp_replicate > 1 else (25.0,)
         for variant in space.variants:
-            if variant.precision == "fp8" and d.tp > 1:
-                continue  # the trainer's float8 linears are not built for TP: nothing to recommend
             for sp in ((False, True) if d.tp > 1 else (False,)):
                 setting = _Setting(space, shape, hw, flavour, d, name, variant, sp, buckets, tokens_per_sample,
                                    model_flops_per_sample, memory_limit, overlap, calibration, command_prefix)
