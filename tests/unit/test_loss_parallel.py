@@ -174,18 +174,22 @@ def test_the_trainers_tp_collectives_are_the_cost_models(precision, sequence_par
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
-def test_a_hugging_face_llamas_tp_collectives_in_fp8_are_the_cost_models(compose_cfg, sequence_parallel, checkpointing):
+@pytest.mark.parametrize("model,split", [("hf-llama", (5, 2)), ("hf-qwen3-moe", (3, 1))])
+def test_hugging_face_models_tp_collectives_in_fp8_are_the_cost_models(compose_cfg, model, split,
+                                                                        sequence_parallel, checkpointing):
     """Hugging Face's Llama (its own plan: q, k, v, gate and up split by columns, o and down by
-    rows; the head by vocabulary) at tp=2 in fp8: each Float8 linear's scale reductions, and the rest,
-    as the cost model prices them from the model's shape."""
+    rows; the head by vocabulary) and Qwen3-MoE (attention split as Llama's, its per-head q/k norms
+    kept whole; its mixture of experts in no plan, so without TP's collectives, and in bf16) at tp=2
+    in fp8: each Float8 linear's scale reductions, and the rest, as the cost model prices them from
+    the model's shape."""
     from training.planner.anatomy import shape_of
 
-    cfg = compose_cfg("model=hf-llama", "tracking=none").model
+    cfg = compose_cfg(f"model={model}", "tracking=none").model
     strategy = StrategyConfig(name="tp", precision="fp8", sequence_parallel=sequence_parallel,
                               activation_checkpointing=checkpointing)
     model = build_model(cfg, 0)
     shape = shape_of(model, model_spec(model, cfg), model.config.hidden_size, 16)
-    assert (shape.tp_column_linears, shape.tp_row_linears) == (5 * shape.layers, 2 * shape.layers)
+    assert (shape.tp_column_linears, shape.tp_row_linears) == (split[0] * shape.layers, split[1] * shape.layers)
     assert _executed(cfg, strategy) == _priced(shape, strategy)
 
 

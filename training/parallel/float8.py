@@ -107,31 +107,36 @@ class Float8Linear(nn.Linear):
 
 
 def eligible(module: nn.Module) -> bool:
-    return (type(module) is nn.Linear and module.in_features % DIM_MULTIPLE == 0
+    return (type(module) in (nn.Linear, Float8Linear) and module.in_features % DIM_MULTIPLE == 0
             and module.out_features % DIM_MULTIPLE == 0)
+
+
+def float8_linears(blocks: Iterable[nn.Module], experts: Iterable[nn.Module] = ()) -> list[nn.Module]:
+    """The linears fp8 runs in float8: every eligible one inside `blocks` (the model's repeated
+    blocks: the embeddings and the output head, outside them, stay in bf16) but those of a layer
+    holding one of `experts` (a mixture's layer: its router and experts), which stays in bf16
+    whole: a router's scores pick the experts, and float8 would change which."""
+    experts = set(experts)
+    found = []
+    for block in blocks:
+        kept = {id(m) for layer in block.modules() if experts & set(layer.children()) for m in layer.modules()}
+        found += [m for m in block.modules() if id(m) not in kept and eligible(m)]
+    return found
 
 
 def apply_float8(blocks: Iterable[nn.Module], experts: Iterable[nn.Module] = (),
                  device: torch.device | None = None) -> int:
-    """Every eligible nn.Linear inside `blocks` (the model's repeated blocks: the embeddings and
-    the output head, outside them, stay in bf16) made a Float8Linear in place: its class swapped,
-    its parameters, hooks and names kept. A layer holding one of `experts` (a mixture's layer:
-    its router and experts) stays in bf16 whole: a router's scores pick the experts, and float8
-    would change which. Before tensor parallelism, checkpointing and FSDP wrap the blocks, as
-    torchtitan converts a model. Returns how many were converted; raises ValueError where `device`
-    runs no float8 matmul."""
+    """Each of float8_linears(blocks, experts) made a Float8Linear in place: its class swapped,
+    its parameters, hooks and names kept. Before tensor parallelism, checkpointing and FSDP wrap
+    the blocks, as torchtitan converts a model. Returns how many were converted; raises ValueError
+    where `device` runs no float8 matmul."""
     problem = float8_problem(device) if device is not None else None
     if problem is not None:
         raise ValueError(f"strategy.precision=fp8 {problem}; use bf16")
-    experts = set(experts)
-    count = 0
-    for block in blocks:
-        kept = {id(m) for layer in block.modules() if experts & set(layer.children()) for m in layer.modules()}
-        for m in block.modules():
-            if id(m) not in kept and eligible(m):
-                m.__class__ = Float8Linear
-                count += 1
-    return count
+    linears = float8_linears(blocks, experts)
+    for m in linears:
+        m.__class__ = Float8Linear
+    return len(linears)
 
 
 def float8_problem(device: torch.device) -> str | None:

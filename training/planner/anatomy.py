@@ -34,7 +34,7 @@ from training.contract.calls import (
 from training.contract.experts import capacity_factor_of
 from training.contract.spec import ExpertSite, ModelSpec, model_spec, tp_divisors
 from training.memory import AuditRow, SavedActivations, memory_audit
-from training.parallel.float8 import eligible as float8_eligible
+from training.parallel.float8 import float8_linears
 from training.planner.counting import FlopCount, fused_attention_on_meta
 from training.planner.shape import Activations, Anatomy, Shape, extended, kept_share
 
@@ -155,9 +155,9 @@ def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> 
     except ContractError:
         norms = []  # sequence parallelism is not an option for this model
     head = spec.head(model) if plan else None
-    inside = {id(m) for b in spec.blocks for m in b.module.modules()}
-    split_linears = [(style, m) for name, style in plan.items()
-                     if id(m := model.get_submodule(name)) in inside and float8_eligible(m)]
+    sites = expert_sites(model, spec)
+    in_float8 = {id(m) for m in float8_linears([b.module for b in spec.blocks], [s.module for s in sites])}
+    split_styles = [style for name, style in plan.items() if id(model.get_submodule(name)) in in_float8]
     divisors = tp_divisors(model, plan) if plan else {}
     heads = max((v for k, v in divisors.items() if not k.endswith("_features")), default=1)
     try:
@@ -169,7 +169,6 @@ def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> 
         first, last, pipeline = params - block_params, 0, False
     # Whatever belongs to neither a block nor a declared end (a shared norm, say) sits with the first stage.
     first += params - block_params - first - last
-    sites = expert_sites(model, spec)
     return Shape(
         experts=tuple(s.n_experts for s in sites),
         expert_params=sum(count_params(s.module) for s in sites),
@@ -189,8 +188,8 @@ def shape_of(model: nn.Module, spec: ModelSpec, hidden: int, positions: int) -> 
         tp_sizes=tuple(sorted(set(divisors.values()))),
         pipeline=pipeline,
         head_params=count_params(model.get_submodule(head)) if head is not None else 0,
-        tp_column_linears=sum(style.startswith("colwise") for style, _ in split_linears),
-        tp_row_linears=sum(style.startswith("rowwise") for style, _ in split_linears),
+        tp_column_linears=sum(style.startswith("colwise") for style in split_styles),
+        tp_row_linears=sum(style.startswith("rowwise") for style in split_styles),
     )
 
 

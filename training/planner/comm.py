@@ -235,23 +235,23 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
     # so its reduction, not the block's last (nothing the block saves is computed from that one);
     # selective keeps both reductions (its policy saves them: training/parallel/ac.py).
     rereduced = 1 if recompute == "full" else 0
+    # A MoE layer is in no TP plan: its feed-forward makes none of these (its attention's do).
+    moe = math.ceil(shape.moe_layers / d.pp) * chunks
     if sequence_parallel:
         # Outside the blocks, a micro-batch gathers the final norm's output for the head (last
         # stage) and the embedding's gradient (first stage: its output is cut by position).
         ends = 2 if d.pp == 1 or v_shaped else 1
         gathers = per_layer * 6 + ends * chunks
         scatters = per_layer * (4 + rereduced)
-        # A MoE layer is in no TP plan: it takes the gathered norm output whole and cuts its output
-        # by position (training/parallel/tp.py), so its feed-forward reduce-scatters nothing, in
-        # forward or backward, nor re-gathers a saved shard (measured, fake process group:
-        # tests/unit/test_loss_parallel.py).
-        moe = math.ceil(shape.moe_layers / d.pp) * chunks
+        # Under SP a MoE layer takes the gathered norm output whole and cuts its output by position
+        # (training/parallel/tp.py), so its feed-forward reduce-scatters nothing, in forward or
+        # backward, nor re-gathers a saved shard.
         gathers -= moe * (1 if recompute == "none" else 0)
         scatters -= moe * 2
         tp_s = (call("all_gather", chunk * gathers, tp_group, gathers)
                 + call("reduce_scatter", chunk * scatters, tp_group, scatters))
     else:
-        reduces = per_layer * (4 + rereduced)
+        reduces = per_layer * (4 + rereduced) - moe * 2
         tp_s = call("all_reduce", chunk * reduces, tp_group, reduces)
     if precision == "fp8" and d.tp > 1:
         # Float8 linears under TP (training/parallel/float8.py): each cast's per-tensor scale is the

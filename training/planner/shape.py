@@ -67,9 +67,9 @@ class Shape:
     sequence_norm_tensors: int = 0
     """The parameter tensors of `sequence_norm_params`, the same way."""
     tp_column_linears: int = 0
-    """The blocks' linears the TP plan splits by output columns (all blocks), of those fp8 runs in
-    float8 (training/parallel/float8.py eligible): under fp8 each split operand's scale costs a
-    scalar all-reduce over the TP ranks (training/planner/comm.py)."""
+    """The linears fp8 runs in float8 (training/parallel/float8.py float8_linears) that the TP plan
+    splits by output columns, over all blocks: under fp8 each split operand's scale costs a scalar
+    all-reduce over the TP ranks (training/planner/comm.py)."""
     tp_row_linears: int = 0
     """The same, split by input rows."""
     head_params: int = 0
