@@ -185,3 +185,33 @@ def probe_rounds(_inputs: object) -> dict:
     return {"rounds": {size: len(times) for size, times in measured.items()}, "times": measured,
             "kept": {m.bytes: m.time_us for m in kept}}
 
+
+
+def collectives_by_rank(inputs: object) -> list[dict[str, int]]:
+    """Every rank's process-group collectives of one forward + backward of the trainer's step (and
+    the gradient sums after it), counted by torch's profiler as tests/unit/test_loss_parallel.py
+    counts them on a fake process group, here on real ranks, where a pipeline's stages exchange
+    activations (a fake group cannot). The step is run once unprofiled first: a pipeline infers
+    its stages' shapes then. `inputs`: (ModelConfig, StrategyConfig, rows of the batch)."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from tests.unit.test_loss_parallel import BACKEND_OPS
+    from training.contract.calls import build_model, model_loss
+    from training.contract.spec import model_spec
+    from training.parallel.compose import parallelize
+
+    model_cfg, strategy, rows = inputs
+    model = build_model(model_cfg, 0)
+    parallel = parallelize(model, model_spec(model, model_cfg), strategy, torch.device("cpu"), model_loss(model_cfg))
+    tokens = torch.zeros(rows, model_cfg.kwargs["seq_len"], dtype=torch.long)
+    parallel.forward_backward((tokens, tokens), 1.0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        parallel.forward_backward((tokens, tokens), 1.0)
+        for finish in parallel.after_backward:
+            finish()
+    counts = dict(Counter(BACKEND_OPS[e.name] for e in prof.events() if e.name in BACKEND_OPS))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, counts)
+    return everyone

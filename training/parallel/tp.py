@@ -210,11 +210,11 @@ def by_position(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
 
 
 def _split_residual_stream(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh) -> None:
-    """Blocks take the residual stream by position; the model (or pipeline stage) hands its
-    output on whole, whatever the last block left it as."""
+    """Blocks take the residual stream by position; the model (or stage) hands its output on whole, a
+    copy: split-backward schedules detach a stage's output in place, refused on full_tensor()'s view."""
     for block in blocks:
         block.register_forward_pre_hook(lambda m, args: (by_position(args[0], mesh), *args[1:]))
-    model.register_forward_hook(lambda m, args, out: out.full_tensor() if _positional(out) else out)
+    model.register_forward_hook(lambda m, args, out: out.full_tensor().clone() if _positional(out) else out)
 
 
 def _takes_whole_tokens(module: nn.Module, mesh: DeviceMesh) -> None:

@@ -153,7 +153,8 @@ def fsdp_units(shape: Shape) -> int:
 def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, grad_accum: int, microbatches: int,
               precision: str, link: Callable[[str, Group], Link], bucket_cap_bytes: float = 25 * 1024**2,
               clip: bool = False, devices_per_node: int | None = None, sequence_parallel: bool = False,
-              recompute: str = "none", virtual: int = 1, imbalance: float = 1.0, v_shaped: bool = False) -> Comm:
+              recompute: str = "none", virtual: int = 1, imbalance: float = 1.0, v_shaped: bool = False,
+              split_backward: bool = False) -> Comm:
     """Per-step communication of each strategy in seconds (ZeRO's, Megatron's and GPipe's
     volumes, in the calls each implementation makes: every call pays the link's latency, which is
     what dominates a small model or a slow link); `link(collective, group)` is the α–β model of
@@ -161,7 +162,8 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
     over its own mesh dimension's group (group_of) on nodes of `devices_per_node` ranks.
     `imbalance`: the busiest expert-parallel rank's routed tokens over the mean rank's
     (Workload.imbalance_at); `v_shaped`: a V-shaped pipeline schedule, whose rank 0 holds both ends
-    (memory.stage_params)."""
+    (memory.stage_params); `split_backward`: a schedule that splits backward into input and weight
+    passes (zero_bubble, zbv, dualpipev)."""
     dense, expert_psi = stage_params(shape, d, v_shaped)
     split_experts = d.ep > 1 and expert_psi > 0  # then the experts' traffic goes over their replicas
     psi = dense if split_experts else dense + expert_psi
@@ -237,10 +239,20 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
     rereduced = 1 if recompute == "full" else 0
     # A MoE layer is in no TP plan: its feed-forward makes none of these (its attention's do).
     moe = math.ceil(shape.moe_layers / d.pp) * chunks
+    # A split backward's weight pass runs the backward of each layer of every stage but the first
+    # again, and with it what that backward gathers (SP: each column split's saved shard and each row
+    # split's output gradient, 4 a layer) and, under full checkpointing, the forward it recomputes
+    # (SP 16 gathers and 8 reduce-scatters a layer, TP alone 8 all-reduces); the first stage, whose
+    # input needs no gradient, runs its backward whole. Counted at pp=2 x tp=2 (zero_bubble, zbv) on
+    # a rank without stage 0, the busiest (tests/dist/test_pp_tp_collectives.py).
+    again = per_layer if split_backward and d.pp > 1 and d.tp > 1 else 0
     if sequence_parallel:
-        # Outside the blocks, a micro-batch gathers the final norm's output for the head (last
-        # stage) and the embedding's gradient (first stage: its output is cut by position).
-        ends = 2 if d.pp == 1 or v_shaped else 1
+        # Outside the blocks, each module a rank runs gathers twice a micro-batch: the whole model
+        # (pp=1) the final norm's output for the head and the embedding's gradient (its output is
+        # cut by position); a pipeline stage its output, sent whole, and its input's gradient (the
+        # input is cut by position), whichever stage it is (counted at pp=2 x tp=2, 1F1B and
+        # interleaved: tests/dist/test_pp_tp_collectives.py).
+        ends = 2 * (virtual if d.pp > 1 else 1)
         gathers = per_layer * 6 + ends * chunks
         scatters = per_layer * (4 + rereduced)
         # Under SP a MoE layer takes the gathered norm output whole and cuts its output by position
@@ -248,10 +260,13 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
         # backward, nor re-gathers a saved shard.
         gathers -= moe * (1 if recompute == "none" else 0)
         scatters -= moe * 2
+        if split_backward:
+            gathers += again * (16 if recompute == "full" else 4)
+            scatters += again * (8 if recompute == "full" else 0)
         tp_s = (call("all_gather", chunk * gathers, tp_group, gathers)
                 + call("reduce_scatter", chunk * scatters, tp_group, scatters))
     else:
-        reduces = per_layer * (4 + rereduced) - moe * 2
+        reduces = per_layer * (4 + rereduced) - moe * 2 + again * (8 if recompute == "full" else 0)
         tp_s = call("all_reduce", chunk * reduces, tp_group, reduces)
     if precision == "fp8" and d.tp > 1:
         # Float8 linears under TP (training/parallel/float8.py): each cast's per-tensor scale is the
@@ -276,7 +291,10 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
             tp_s += call("all_reduce", dtype_bytes * whole * share, tp_group, math.ceil(tensors * share))
         else:
             tp_s += call("all_reduce", stored * whole * share, tp_group)
-    if shape.head_params and d.tp > 1:
+    # A V-shaped schedule's head is on rank 0, whose first stage's backward is whole: with a split
+    # backward that re-runs calls, the busiest rank holds two later stages and no head.
+    head_here = not (v_shaped and again and (sequence_parallel or recompute == "full"))
+    if shape.head_params and d.tp > 1 and head_here:
         # Loss parallelism (training/parallel/tp.py), per micro-batch on the last stage, measured:
         # forward all-reduces three fp32 values per position (the max, the sum of exponentials,
         # the target's logit), backward the head's input gradient (a column split's partial sums).
