@@ -15,8 +15,9 @@ from training.config import ModelConfig, StrategyConfig
 from training.contract.calls import build_model
 from training.contract.spec import model_spec
 from training.parallel.dims import ParallelDims
-from training.parallel.schedules import SPLIT_BACKWARD, V_SHAPED
+from training.parallel.schedules import V_SHAPED
 from training.planner.comm import Link, comm_time
+from training.planner.pipeline import rerun_shares
 
 COUNTED = ModelConfig(name="gpt", kwargs=dict(vocab_size=512, d_model=64, n_layers=4, n_heads=4, seq_len=16))
 """Four blocks: two a pipeline rank, one a stage under two virtual stages a rank."""
@@ -45,7 +46,7 @@ def _priced(strategy: StrategyConfig, model_cfg: ModelConfig = COUNTED) -> dict[
               strategy.microbatches, strategy.precision, lambda c, g: Counting(alpha_s=1e-5, busbw_gbps=1.0, world=2),
               sequence_parallel=strategy.sequence_parallel, recompute=strategy.activation_checkpointing,
               virtual=strategy.pp_virtual_stages, v_shaped=strategy.pp_schedule in V_SHAPED,
-              split_backward=strategy.pp_schedule in SPLIT_BACKWARD)
+              rerun=rerun_shares(strategy.pp_schedule, strategy.pp, strategy.microbatches, strategy.pp_virtual_stages))
     return dict(seen)
 
 
@@ -108,7 +109,23 @@ def test_a_split_backwards_weight_pass_collectives_are_the_cost_models(schedule,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["zero_bubble", "zbv"])
+@pytest.mark.parametrize("sequence_parallel,checkpointing", [(True, "none"), (False, "full"), (True, "full")])
+def test_dualpipev_runs_again_only_the_weight_passes_its_table_splits(sequence_parallel, checkpointing):
+    """DualPipeV splits only some backwards (torch's action table at pp=2, m=4: 2 weight passes past
+    the first stage on rank 1 of its 8 stage runs, 1 on rank 0, which holds the head): the plan
+    reads the shares from the table and prices the busier rank."""
+    from training.planner.pipeline import rerun_shares
+
+    strategy = StrategyConfig(name="hybrid", pp=2, tp=2, dp_replicate=1, dp_shard=1, microbatches=4,
+                              pp_schedule="dualpipev", pp_virtual_stages=2, sequence_parallel=sequence_parallel,
+                              activation_checkpointing=checkpointing)
+    assert rerun_shares("dualpipev", 2, 4, 2) == (1 / 8, 2 / 8)
+    ranks = run_world("tests.dist.workers:collectives_by_rank", (DEEP, strategy, 8), world=4, timeout_s=180)
+    assert _priced(strategy, DEEP) == _busiest(ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zero_bubble", "zbv", "dualpipev"])
 def test_a_split_backward_schedule_with_tp_and_sp_matches_one_process(schedule):
     """Each stage's output goes on as a tensor of its own, not a view of the gathered one: a split
     backward detaches the stage's output in place after the input pass, which torch refuses on a

@@ -130,3 +130,18 @@ def waiting_points(schedule: str, pp: int, microbatches: int,
                    if not any(q != p and all(a >= b for a, b in zip(q, p, strict=True)) for q in points)]
         rows.append(tuple(sorted(highest)))
     return rows[0], rows[1]
+
+
+@functools.lru_cache(maxsize=1024)
+def weight_pass_shares(schedule: str, pp: int, microbatches: int, virtual: int) -> tuple[float, float]:
+    """planner/pipeline.rerun_shares read from the tables: the weight passes of stages past the first
+    over the rank's stage runs (microbatches x stages held), on the rank holding the last stage and
+    on the busiest other rank."""
+    actions = _tables(schedule, pp, microbatches, virtual)
+    last = pp * virtual - 1
+    head = next(rank for rank, row in actions.items() if any(stage == last for stage, _, _ in row))
+
+    def share(rank: int) -> float:
+        return sum(kind == "W" and stage > 0 for stage, kind, _ in actions[rank]) / (microbatches * virtual)
+
+    return share(head), max((share(rank) for rank in actions if rank != head), default=0.0)

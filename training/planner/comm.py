@@ -154,7 +154,7 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
               precision: str, link: Callable[[str, Group], Link], bucket_cap_bytes: float = 25 * 1024**2,
               clip: bool = False, devices_per_node: int | None = None, sequence_parallel: bool = False,
               recompute: str = "none", virtual: int = 1, imbalance: float = 1.0, v_shaped: bool = False,
-              split_backward: bool = False) -> Comm:
+              rerun: tuple[float, float] = (0.0, 0.0)) -> Comm:
     """Per-step communication of each strategy in seconds (ZeRO's, Megatron's and GPipe's
     volumes, in the calls each implementation makes: every call pays the link's latency, which is
     what dominates a small model or a slow link); `link(collective, group)` is the α–β model of
@@ -162,8 +162,8 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
     over its own mesh dimension's group (group_of) on nodes of `devices_per_node` ranks.
     `imbalance`: the busiest expert-parallel rank's routed tokens over the mean rank's
     (Workload.imbalance_at); `v_shaped`: a V-shaped pipeline schedule, whose rank 0 holds both ends
-    (memory.stage_params); `split_backward`: a schedule that splits backward into input and weight
-    passes (zero_bubble, zbv, dualpipev)."""
+    (memory.stage_params); `rerun`: the share of its layer runs a split backward's weight pass runs
+    again on the rank holding the head and on the busiest other rank (pipeline.rerun_shares)."""
     dense, expert_psi = stage_params(shape, d, v_shaped)
     split_experts = d.ep > 1 and expert_psi > 0  # then the experts' traffic goes over their replicas
     psi = dense if split_experts else dense + expert_psi
@@ -239,35 +239,41 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
     rereduced = 1 if recompute == "full" else 0
     # A MoE layer is in no TP plan: its feed-forward makes none of these (its attention's do).
     moe = math.ceil(shape.moe_layers / d.pp) * chunks
-    # A split backward's weight pass runs the backward of each layer of every stage but the first
-    # again, and with it what that backward gathers (SP: each column split's saved shard and each row
-    # split's output gradient, 4 a layer) and, under full checkpointing, the forward it recomputes
-    # (SP 16 gathers and 8 reduce-scatters a layer, TP alone 8 all-reduces); the first stage, whose
-    # input needs no gradient, runs its backward whole. Counted at pp=2 x tp=2 (zero_bubble, zbv) on
-    # a rank without stage 0, the busiest (tests/dist/test_pp_tp_collectives.py).
-    again = per_layer if split_backward and d.pp > 1 and d.tp > 1 else 0
-    if sequence_parallel:
-        # Outside the blocks, each module a rank runs gathers twice a micro-batch: the whole model
-        # (pp=1) the final norm's output for the head and the embedding's gradient (its output is
-        # cut by position); a pipeline stage its output, sent whole, and its input's gradient (the
-        # input is cut by position), whichever stage it is (counted at pp=2 x tp=2, 1F1B and
-        # interleaved: tests/dist/test_pp_tp_collectives.py).
-        ends = 2 * (virtual if d.pp > 1 else 1)
-        gathers = per_layer * 6 + ends * chunks
-        scatters = per_layer * (4 + rereduced)
-        # Under SP a MoE layer takes the gathered norm output whole and cuts its output by position
-        # (training/parallel/tp.py), so its feed-forward reduce-scatters nothing, in forward or
-        # backward, nor re-gathers a saved shard.
-        gathers -= moe * (1 if recompute == "none" else 0)
-        scatters -= moe * 2
-        if split_backward:
-            gathers += again * (16 if recompute == "full" else 4)
-            scatters += again * (8 if recompute == "full" else 0)
-        tp_s = (call("all_gather", chunk * gathers, tp_group, gathers)
-                + call("reduce_scatter", chunk * scatters, tp_group, scatters))
-    else:
-        reduces = per_layer * (4 + rereduced) - moe * 2 + again * (8 if recompute == "full" else 0)
-        tp_s = call("all_reduce", chunk * reduces, tp_group, reduces)
+    # A split backward's weight pass runs the backward of some layer runs again (`rerun`: the share,
+    # on the rank holding the head and on the busiest other; planner/pipeline.py rerun_shares), and
+    # with it what that backward gathers (SP: each column split's saved shard and each row split's
+    # output gradient, 4 a layer) and, under full checkpointing, the forward it recomputes (SP 16
+    # gathers and 8 reduce-scatters a layer, TP alone 8 all-reduces). Counted at pp=2 x tp=2
+    # (zero_bubble, zbv, dualpipev: tests/dist/test_pp_tp_collectives.py).
+    def layer_calls(again: float) -> dict[str, int]:
+        again = math.ceil(per_layer * again)
+        if sequence_parallel:
+            # Outside the blocks, each module a rank runs gathers twice a micro-batch: the whole
+            # model (pp=1) the final norm's output for the head and the embedding's gradient (its
+            # output is cut by position); a pipeline stage its output, sent whole, and its input's
+            # gradient (the input is cut by position), whichever stage it is. Under SP a MoE layer
+            # takes the gathered norm output whole and cuts its output by position
+            # (training/parallel/tp.py), so its feed-forward reduce-scatters nothing, in forward or
+            # backward, nor re-gathers a saved shard.
+            ends = 2 * (virtual if d.pp > 1 else 1)
+            return {"all_gather": per_layer * 6 + ends * chunks + again * (16 if recompute == "full" else 4)
+                    - moe * (1 if recompute == "none" else 0),
+                    "reduce_scatter": per_layer * (4 + rereduced) + again * (8 if recompute == "full" else 0) - moe * 2}
+        return {"all_reduce": per_layer * (4 + rereduced) - moe * 2 + again * (8 if recompute == "full" else 0)}
+
+    # Loss parallelism (training/parallel/tp.py), per micro-batch on the last stage, measured:
+    # forward all-reduces three fp32 values per position (the max, the sum of exponentials, the
+    # target's logit), backward the head's input gradient (a column split's partial sums).
+    head = 4 * chunks if shape.head_params and d.tp > 1 else 0
+    # The step waits for the busier of the rank holding the head and the busiest other rank.
+    held = layer_calls(rerun[0])
+    other = layer_calls(rerun[1]) if d.pp > 1 else held
+    with_head = sum(other.values()) <= sum(held.values()) + head
+    tp_s = sum(call(kind, chunk * n, tp_group, n) for kind, n in (held if with_head else other).items())
+    if with_head and head:
+        positions = micro_batch * shape.seq_len / d.cp * grad_accum
+        tp_s += (call("all_reduce", 3 * 4 * positions, tp_group, 3 * chunks)
+                 + call("all_reduce", activation * grad_accum, tp_group, chunks))
     if precision == "fp8" and d.tp > 1:
         # Float8 linears under TP (training/parallel/float8.py): each cast's per-tensor scale is the
         # amax of the whole tensor, one scalar all-reduce over the TP group for each split operand:
@@ -291,16 +297,6 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
             tp_s += call("all_reduce", dtype_bytes * whole * share, tp_group, math.ceil(tensors * share))
         else:
             tp_s += call("all_reduce", stored * whole * share, tp_group)
-    # A V-shaped schedule's head is on rank 0, whose first stage's backward is whole: with a split
-    # backward that re-runs calls, the busiest rank holds two later stages and no head.
-    head_here = not (v_shaped and again and (sequence_parallel or recompute == "full"))
-    if shape.head_params and d.tp > 1 and head_here:
-        # Loss parallelism (training/parallel/tp.py), per micro-batch on the last stage, measured:
-        # forward all-reduces three fp32 values per position (the max, the sum of exponentials,
-        # the target's logit), backward the head's input gradient (a column split's partial sums).
-        positions = micro_batch * shape.seq_len / d.cp * grad_accum
-        tp_s += (call("all_reduce", 3 * 4 * positions, tp_group, 3 * chunks)
-                 + call("all_reduce", activation * grad_accum, tp_group, chunks))
     # CP: each block all-gathers this rank's K and V over the cp group in forward (again in backward
     # under full recomputation) and reduce-scatters their gradients in backward: 2 x s x b x kv / tp
     # gathered per layer and micro-batch (training/parallel/cp.py; the gathered K/V are the

@@ -35,6 +35,25 @@ def pipeline_bubble(pp: int, microbatches: int, schedule: str = "1f1b", virtual:
     return idle / (virtual * microbatches + idle)
 
 
+def rerun_shares(schedule: str, pp: int, microbatches: int, virtual: int) -> tuple[float, float]:
+    """The share of a rank's layer runs whose backward a split backward's weight pass runs again (with
+    what it gathers or recomputes: planner/comm.py), on the rank holding the head and on the busiest
+    other: every weight pass of a stage past the first (the first stage's input needs no gradient,
+    and its backward runs whole). Interleaved zero bubble splits every microbatch, its head on the
+    last rank; ZB-V too, its head on rank 0 beside stage 0; DualPipeV only some (torch's action
+    tables, training/parallel/bubble.py). Counted on the trainer at pp=2 x tp=2:
+    tests/dist/test_pp_tp_collectives.py."""
+    if schedule not in ZERO_BUBBLE or pp <= 1:
+        return 0.0, 0.0
+    if schedule == "zero_bubble":
+        return 1.0, 1.0 if pp > 2 else (virtual - 1) / virtual
+    if schedule == "zbv":
+        return 0.5, 1.0
+    from training.parallel.bubble import weight_pass_shares
+
+    return weight_pass_shares(schedule, pp, microbatches, virtual)
+
+
 def _full(schedule: str, pp: int, microbatches: int) -> bool:
     """Whether the pipeline fills (m >= p looped, m >= 2p a V), where the closed forms equal torch's tables."""
     return microbatches >= pp * (2 if schedule in V_SHAPED else 1)

@@ -12,6 +12,7 @@ from training.planner.calibration import Calibration
 from training.planner.comm import comm_time
 from training.planner.hardware import EXPERT_DISPATCH, Hardware
 from training.planner.memory import memory_per_device
+from training.planner.pipeline import rerun_shares
 from training.planner.step import StepPrediction, step_time
 from training.planner.workload import Workload, feasible
 
@@ -78,7 +79,8 @@ def predict_layout(w: Workload, hw: Hardware, flavour: str, d: ParallelDims, mem
     devices = d.world_size
     comm = comm_time(w.shape, flavour, d, w.micro_batch, w.grad_accum, w.microbatches, w.precision, hw.link,
                      w.bucket_cap_bytes, w.clip, hw.devices_per_node, w.sequence_parallel and d.tp > 1,
-                     w.checkpointing, w.pp_virtual_stages, w.imbalance_at(d.ep), w.v_shaped, w.split_backward)
+                     w.checkpointing, w.pp_virtual_stages, w.imbalance_at(d.ep), w.v_shaped,
+                     rerun_shares(w.pp_schedule, d.pp, w.microbatches, w.pp_virtual_stages))
     per_sample = w.seconds_per_sample if w.seconds_per_sample is not None else hw.seconds_per_sample
     passes = w.grad_accum * (w.microbatches if d.pp > 1 else 1)  # a pipeline cuts each micro-batch
     compute = (hw.compute_s(per_sample, w.micro_batch * w.grad_accum, passes, d) * hw.contention(devices)

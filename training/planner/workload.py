@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from training.parallel.dims import ParallelDims, expert_parallel_problem
-from training.parallel.schedules import SPLIT_BACKWARD, V_SHAPED
+from training.parallel.schedules import V_SHAPED
 from training.planner.shape import Activations, Shape, kept_share
 
 if TYPE_CHECKING:
@@ -63,11 +63,6 @@ class Workload:
     def v_shaped(self) -> bool:
         """A V-shaped schedule (zbv, dualpipev): rank r holds stages r and 2p − 1 − r, rank 0 both ends."""
         return self.pp_schedule in V_SHAPED
-
-    @property
-    def split_backward(self) -> bool:
-        """A schedule that splits backward into input and weight passes (zero_bubble, zbv, dualpipev)."""
-        return self.pp_schedule in SPLIT_BACKWARD
 
     def imbalance_at(self, ep: int) -> float:
         """The busiest expert-parallel rank's slots over what the meta count gives a rank (balanced
