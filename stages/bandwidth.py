@@ -26,6 +26,7 @@ from stages.common import log, progress
 from training.collectives import Measurement, element_count, message_sizes, probe
 from training.dist import backend, device, is_main, world_size
 from training.plan_config import BandwidthConfig
+from training.planner.hardware import measured_links
 from training.shared_cores import SharedCores
 from training.shared_cores import measure as measure_shared_cores
 
@@ -73,7 +74,7 @@ class BandwidthResult:
     the node's NICs carries it. Empty with one node or one rank per node (`results` is then that)."""
     shared_cores: SharedCores | None = None
     """CPU ranks: compute with every rank working against alone, and what a collective issued
-    between compute costs beyond the probe's back-to-back time. None on GPUs and at one rank."""
+    between compute costs beyond what the probe's fit gives it. None on GPUs and at one rank."""
 
     def metrics(self) -> list[tuple[str, float, int]]:
         """MLflow (key, value, step): each measurement at step = its bytes, and each collective's
@@ -153,8 +154,11 @@ def run(cfg: BandwidthInputs) -> BandwidthResult:
     node, spread = (_tiers(bw, sizes, cfg.nodes, cfg.procs_per_node, report) if tiers else ([], []))
     shared = None
     if bw.shared_cores and device().type == "cpu":
-        shared = measure_shared_cores(bw.max_bytes, bw.iters, bw.warmup_iters)
-        if is_main():
+        fit = measured_links(results, world).get("all_reduce")
+        if fit is not None:  # the probe measured all_reduce at two sizes at least: the plan's fit
+            shared = measure_shared_cores(bw.max_bytes, bw.iters, bw.warmup_iters,
+                                          lambda nbytes: fit.time("all_reduce", nbytes, world))
+        if is_main() and shared is not None:
             log("bandwidth", shared.describe())
     return _result(bw, world, results, None, cfg, node, spread, shared)
 

@@ -21,7 +21,8 @@ since it times its collectives back to back with nothing else running:
 
 `measure` times both with a small MLP's forward and backward as the compute (the dispatcher,
 allocator and autograd work of a training step, not only its matmuls), after a short and a long
-stretch of it: a line, the per-call cost and the drift per second of compute. The numbers are
+stretch of it: a line, the per-call cost and the drift per second of compute, beyond what the
+bandwidth probe's α–β fit gives the call (which the plan charges it first). The numbers are
 the host's, not the model's, and it needs only an initialised process group, like
 training.collectives.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,9 +75,10 @@ class SharedCores:
     together_s: float
     """The same on every rank at once: the slowest rank's mean (the median of ROUNDS)."""
     call_s: float
-    """What a collective issued right after compute costs beyond the same call back to back: the
-    line's value at no compute (the slowest rank's difference, the median of ROUNDS x SIZES at
-    each of the two stretches)."""
+    """What a collective issued right after compute costs beyond what the bandwidth probe's fit gives
+    it: the line's value at no compute (the call's time in a loop of stretch and call, less the
+    slowest rank's stretch and the fit's time; the median of ROUNDS x SIZES at each of the two
+    stretches). Below the fit (a call can run faster than its fit says) it counts as 0."""
     drift: float = 0.0
     """And per second of compute since the last call: the line's slope (at least 0)."""
 
@@ -113,7 +116,7 @@ class SharedCores:
         return (f"shared cores ({self.world} ranks x {self.threads_per_rank} threads on {self.cores} cores, measured): "
                 f"compute {self.compute_factor:.2f}x slower with every rank working "
                 f"({self.together_s * 1e3:.1f} vs {self.alone_s * 1e3:.1f} ms alone), each collective issued "
-                f"between compute +{self.call_s * 1e3:.2f} ms beyond the probe's back-to-back time and "
+                f"between compute +{self.call_s * 1e3:.2f} ms beyond the probe's fit and "
                 f"+{self.drift * 1e3:.0f} us per ms of compute since the last call (the ranks drift apart)")
 
 
@@ -144,6 +147,24 @@ def _mean_time(fn: Any, iters: int, warmup: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
+def _after_compute(stretch: Any, call: Any, iters: int, warmup: int) -> tuple[float, float]:
+    """Seconds per iteration of `stretch()` then `call()`, and of the stretch within them, timed in
+    one loop: what the call adds is their difference, free of the host's drift between two loops
+    (timed apart, the stretch's own mean moved by ~0.3 ms on the 2-core host this was written on,
+    as much as the cost it was subtracted to find)."""
+    for _ in range(warmup):
+        stretch()
+        call()
+    inside = 0.0
+    start = time.perf_counter()
+    for _ in range(iters):
+        began = time.perf_counter()
+        stretch()
+        inside += time.perf_counter() - began
+        call()
+    return (time.perf_counter() - start) / iters, inside / iters
+
+
 def _slowest(seconds: float) -> float:
     """The largest of every rank's `seconds` (a collective)."""
     import torch
@@ -154,10 +175,15 @@ def _slowest(seconds: float) -> float:
     return t.item()
 
 
-def measure(max_bytes: int, iters: int, warmup: int) -> SharedCores:
+def measure(max_bytes: int, iters: int, warmup: int, expected: Callable[[int], float]) -> SharedCores:
     """Time the kernel alone and on every rank at once, and all_reduce issued after a short and a
-    long stretch of it against back to back, on every rank of the initialised (CPU) process group;
-    every rank returns the same result."""
+    long stretch of it against `expected(nbytes)`, what the bandwidth probe's fit gives that call (the
+    time the plan charges it before this line), on every rank of the initialised (CPU) process
+    group; every rank returns the same result. Against the fit, not a back-to-back loop of its own:
+    the plan adds this line to the fit, so the two together are the call as measured after compute
+    whatever the loop would have read (the same 0.54 MB all_reduce back to back read 0.8-2.2 ms from
+    one 100-call loop to the next at 2 ranks on the 2-core host this was written on, and the line
+    held against it moved as much)."""
     import os
 
     import torch
@@ -188,13 +214,11 @@ def measure(max_bytes: int, iters: int, warmup: int) -> SharedCores:
             together[stretch].append(_slowest(_mean_time(stretch, count, warmup)))
             for buffer in buffers:
                 dist.barrier()
-                bare = _slowest(_mean_time(lambda buffer=buffer: dist.all_reduce(buffer), count, warmup))
-                dist.barrier()
-                after = _slowest(_mean_time(lambda buffer=buffer, stretch=stretch: (stretch(), dist.all_reduce(buffer)),
-                                            count, warmup))
-                costs[stretch].append(after - together[stretch][-1] - bare)
+                after, inside = _after_compute(stretch, lambda buffer=buffer: dist.all_reduce(buffer), count, warmup)
+                costs[stretch].append(_slowest(after) - _slowest(inside) - expected(buffer.numel() * buffer.element_size()))
     (x0, y0), (x1, y1) = ((statistics.median(together[s]), statistics.median(costs[s])) for s in (short, long))
-    drift = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 else 0.0
+    # A call that costs no more than its fit after the long stretch costs nothing beyond it anywhere.
+    drift = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 and y1 > 0 else 0.0
     threads = int(_slowest(float(torch.get_num_threads())))
     cores = torch.tensor([len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1])
     dist.broadcast(cores, src=0)
