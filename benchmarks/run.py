@@ -7,6 +7,7 @@ whatever the numbers (it measures, it doesn't gate); exits 1 if a comparison cou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -186,6 +187,10 @@ def bench_planner() -> list[Row]:
             rows.append(Row(f"planner (calibrated on all 6 points), {strategy} world {nodes}: step time measured vs "
                             "predicted", measured[strategy, nodes].measured_step_s * 1e3,
                             predicted["step_time_s"] * 1e3, "ms", "within 15 %"))
+    # Each point as the fits see it (its model components and measured step), for the log: a
+    # calibrated row that misses can be refitted by hand from these.
+    for m in measured.values():
+        print(f"   point: {json.dumps(dataclasses.asdict(m))}", flush=True)
     for point in points:
         calibration = fit_calibration([m for k, m in measured.items() if k != point])
         m = measured[point]

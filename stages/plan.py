@@ -113,7 +113,6 @@ class PlanResult:
                     ("plan/calibration_error_before_pct", c.error_before_pct, 0),
                     ("plan/calibration_error_after_pct", c.error_after_pct, 0)]
             out += [(f"plan/calibration_comm_scale/{k}", v, 0) for k, v in c.comm_scale.items()]
-            out.append(("plan/calibration_call_ms", c.call_s * 1e3, 0))
         return out
 
     def headline(self) -> str:

@@ -1,7 +1,7 @@
 """Calibration: earlier runs' measured steps refine the model's components (plan.calibrate).
 
-A non-negative least-squares fit of per-strategy communication scales, a compute scale and a
-per-call cost to the measured step times, with a prior toward the model (PRIOR_WEIGHT).
+A non-negative least-squares fit of per-strategy communication scales and a compute scale to the
+measured step times, with a prior toward the model (PRIOR_WEIGHT).
 """
 
 from __future__ import annotations
@@ -55,11 +55,15 @@ def _per_degree(measured: list[tuple[tuple[int, float], ...]], combine) -> tuple
 @dataclass(frozen=True)
 class Calibration:
     """Scales fitted to earlier runs: step = compute_scale x (compute + overhead + bubble) +
-    comm_scale[strategy] x exposed communication + call_s x collective calls. One compute scale
-    for the host's CPU-side work (contention, kernels the single-device timing missed); one
-    communication scale per strategy, since the α–β terms miss different things for each; and a
-    cost per collective call, shared: what a rank waits at each one for a peer that is still busy
-    (an idle probe never sees it; FSDP's many calls per step pay it many times)."""
+    comm_scale[strategy] x exposed communication. One compute scale for the host's CPU-side work
+    (contention, kernels the single-device timing missed); one communication scale per strategy,
+    since the α–β terms miss different things for each. No cost per collective call of its own:
+    what a rank waits at each call for a peer still busy is in the model's communication already
+    (on a CPU host the shared-cores line, Hardware.call_cost, measured by the bandwidth stage), so
+    the strategy's scale scales it. A fitted per-call term beside it traded off against zero3's
+    scale (its only strategy with many calls): on three sets of bench_planner's points (this
+    2-core host, 2026-12-06), each point predicted by a fit to the five others, 2, 6 and 5 of 6
+    within 15 % with it, 4, 6 and 5 without (and PRIOR_WEIGHT's column size counted as below)."""
 
     compute_scale: float
     comm_scale: dict[str, float]
@@ -68,8 +72,6 @@ class Calibration:
     """Root-mean-square of (measured - predicted) / measured over the points, uncalibrated."""
     error_after_pct: float
     """The same, calibrated (in-sample: the fit's own points)."""
-    call_s: float = 0.0
-    """Seconds each collective call costs beyond the α–β model."""
     bases: tuple[tuple[int, float], ...] = ()
     """(threads, the median compute per sample of the points timed with that many threads): the
     basis the scales were fitted on. A calibrated plan timed with as many threads predicts from it
@@ -80,8 +82,7 @@ class Calibration:
 
     def step_s(self, strategy: str, step: StepPrediction) -> float:
         comm = self.comm_scale.get(strategy, self.default_comm_scale)
-        return (self.compute_scale * (step.compute_s + step.overhead_s + step.bubble_s) + comm * step.exposed_comm_s
-                + self.call_s * step.collective_calls)
+        return self.compute_scale * (step.compute_s + step.overhead_s + step.bubble_s) + comm * step.exposed_comm_s
 
     def basis(self, threads: int) -> float | None:
         """The points' median compute per sample timed with `threads` threads; None if none was."""
@@ -104,7 +105,7 @@ class Calibration:
         timings = ", ".join(f"{s * 1e3:.3f} ms a sample with {t} thread{'s' if t > 1 else ''}" for t, s in self.bases)
         basis = f" on their plans' compute timing ({timings}; medians)" if self.bases else ""
         return (f"calibration: {self.points} earlier runs; compute x{self.compute_scale:.2f}{basis}, communication "
-                f"{comm}, +{self.call_s * 1e3:.2f} ms per collective call; rms step-time error on them "
+                f"{comm}; rms step-time error on them "
                 f"{self.error_before_pct:.0f} % -> {self.error_after_pct:.0f} %")
 
 
@@ -130,42 +131,40 @@ def nonnegative_least_squares(a, b):  # noqa: ANN001, ANN201 - numpy arrays
 
 PRIOR_WEIGHT = 0.2
 """How many runs' worth of evidence the model's own communication terms (scale 1 for each
-strategy, no cost per call) count for in a fit. A handful of runs leaves those resting on one
-point each: with one zero3 run at world 2 beside world 1's, its communication scale and the cost
-per call trade off freely. Measured on this project's 2-core host (bench_planner's points, three
-sets, 2026-12-03), each point predicted from a fit to the five others: without the prior zero3 at
-world 4 read 1.26, 1.76 and 1.59x its measured step (5, 3 and 5 of 6 points within 15 %); with
-it 1.09, 0.88 and 0.96 (6, 5 and 6 of 6); of the other points the most moved was zero3 at world 2
-in the second set, 0.83 -> 0.90, the rest by at most 0.03. Compute has a
-column in every run, so it has no prior: one run at world 1 sets it exactly."""
+strategy) count for in a fit: each scale's distance from 1, in units of its column's typical size
+over the runs of that strategy with communication, weighs as this many such runs' relative error.
+A handful of runs leaves a strategy's scale resting on one point. Compute has a column in every
+run, so it has no prior: one run at world 1 sets it exactly. (The column's size had been its rms
+over every point, zeros included, which made the prior a fifth of what it said where the strategy
+was one run of five.) On the three sets of Calibration's docstring, each point predicted by a fit
+to the five others, 4, 6 and 4 of 6 within 15 % without the prior, 4, 6 and 5 with it (the third
+set's zero3 at world 4: 1.20 -> 1.11); with the prior counted five times as strong, 4, 6 and 5
+too. What every variant missed is the host: the first set's ddp at world 2 read 1.15x the
+model alone and 1.22-1.23x calibrated whatever the fit (tests/unit/test_costmodel.py holds them)."""
 
 
 def fit_calibration(points: list[MeasuredStep]) -> Calibration | None:
-    """Least squares on relative error: minimise sum(((kc (c + o + b) + km[s] m + kn n - t) / t)^2)
-    over the points, with kc and kn (per call) shared and km per strategy, all >= 0, plus a prior
-    toward the model's communication (PRIOR_WEIGHT): each km's distance from 1 and kn's from 0, in
-    units of its column's typical size, counts as PRIOR_WEIGHT points' relative error. None
-    without points."""
+    """Least squares on relative error: minimise sum(((kc (c + o + b) + km[s] m - t) / t)^2) over the
+    points, with kc shared and km per strategy, all >= 0, plus a prior toward the model's
+    communication (PRIOR_WEIGHT). None without points."""
     import numpy as np
 
     points = [p for p in points if p.measured_step_s > 0 and p.predicted.step_s > 0]
     if not points:
         return None
     comm_strategies = sorted({p.strategy for p in points if p.predicted.exposed_comm_s > 0})
-    columns = ["compute", *comm_strategies, "calls"]
-    a = np.zeros((len(points), len(columns)))
+    a = np.zeros((len(points), 1 + len(comm_strategies)))
     for i, p in enumerate(points):
         a[i, 0] = (p.predicted.compute_s + p.predicted.overhead_s + p.predicted.bubble_s) / p.measured_step_s
         if p.predicted.exposed_comm_s > 0:
-            a[i, columns.index(p.strategy)] = p.predicted.exposed_comm_s / p.measured_step_s
-        a[i, -1] = p.predicted.collective_calls / p.measured_step_s
-    prior = np.array([1.0] * (len(columns) - 1) + [0.0])
-    # Ridge rows: one per communication scale, sqrt(w) x its column's rms (so the pull is
-    # unit-free) x (k - prior); none for compute.
-    weight = math.sqrt(PRIOR_WEIGHT) * np.sqrt((a ** 2).mean(axis=0))
-    weight[0] = 0.0
+            a[i, 1 + comm_strategies.index(p.strategy)] = p.predicted.exposed_comm_s / p.measured_step_s
+    # Ridge rows: one per communication scale, sqrt(w) x its column's rms over the runs it is in
+    # (so the pull is unit-free) x (k - 1); none for compute.
+    weight = np.zeros(a.shape[1])
+    for j in range(1, a.shape[1]):
+        weight[j] = math.sqrt(PRIOR_WEIGHT) * math.sqrt(float((a[a[:, j] > 0, j] ** 2).mean()))
     ridge = np.diag(weight)
-    scales = nonnegative_least_squares(np.vstack([a, ridge]), np.concatenate([np.ones(len(points)), ridge @ prior]))
+    scales = nonnegative_least_squares(np.vstack([a, ridge]), np.concatenate([np.ones(len(points)), weight]))
     timed: dict[int, list[float]] = {}
     for p in points:
         if p.predicted.seconds_per_sample > 0 and p.predicted.threads > 0:
@@ -176,13 +175,12 @@ def fit_calibration(points: list[MeasuredStep]) -> Calibration | None:
         points=len(points),
         error_before_pct=0.0,
         error_after_pct=0.0,
-        call_s=float(scales[-1]),
         bases=tuple((t, statistics.median(s)) for t, s in sorted(timed.items())),
     )
 
     def rms_error(step: Callable[[MeasuredStep], float]) -> float:
         # Never worse after than before: the fit minimises this plus the prior's pull, which is
-        # zero at the model's scales (1, 1, 0), a feasible point; a median of a handful of points could be.
+        # zero at the model's scales (all 1), a feasible point; a median of a handful of points could be.
         return 100 * math.sqrt(sum(((p.measured_step_s - step(p)) / p.measured_step_s) ** 2 for p in points)
                                / len(points))
 

@@ -19,7 +19,8 @@ class StepPrediction:
     overhead_s: float = 0.0
     """The strategy's own per-step work besides the model's (hooks, copies, sharded optimizer)."""
     collective_calls: int = 0
-    """Collectives per step (Comm.calls): what calibration's per-call cost multiplies."""
+    """Collectives per step (Comm.calls): what the shared-cores line's cost per call multiplies
+    (Hardware.call_cost, already in exposed_comm_s)."""
     seconds_per_sample: float = 0.0
     """The measured compute per sample (one device, alone) the components were computed from: the
     basis a calibration fitted on them predicts from (Calibration.bases); 0: unknown."""
