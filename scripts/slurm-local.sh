@@ -40,6 +40,14 @@ alive() {
 
 record() { mkdir -p "$STATE/pids"; echo "$2 $3" >"$(pidfile "$1")"; }
 
+# Whether the process recorded for NAME still exists. While it execs its program its cmdline can
+# read empty or the wrapper's for a moment, so alive() may say no then (a `up` failed so,
+# "munged exited", with munged running): waiting for a daemon we just started asks this instead.
+started() {
+    local pid prog; read -r pid prog <"$(pidfile "$1")"
+    kill -0 "$pid" 2>/dev/null
+}
+
 # start NAME PROGRAM COMMAND...: run COMMAND (which execs PROGRAM, in the foreground) in the
 # background, in a new session.
 start() {
@@ -63,7 +71,7 @@ wait_for() {  # wait_for NAME COMMAND...: retry COMMAND for WAIT_S seconds while
     local name=$1; shift
     for _ in $(seq $((WAIT_S * 5))); do
         "$@" >/dev/null 2>&1 && return 0
-        [[ ! -f $(pidfile "$name") ]] || alive "$name" || die "$name exited; see $STATE/log/$name.out"
+        [[ ! -f $(pidfile "$name") ]] || started "$name" || die "$name exited; see $STATE/log/$name.out"
         sleep 0.2
     done
     die "$name not ready after ${WAIT_S} s; logs in $STATE/log"
