@@ -21,9 +21,9 @@ FULL = [(schedule, pp, m) for schedule, per_pp in
 def test_the_closed_forms_are_torchs_tables_once_the_pipeline_is_full(schedule, pp, m):
     """(p − 1) / (v·m + p − 1) for interleaved 1F1B, a third of the idle time for the zero-bubble
     family: what torch's tables give with m >= p microbatches (m >= 2p for a V)."""
-    from training.planner.pipeline import ZERO_BUBBLE
+    from training.parallel.schedules import SPLIT_BACKWARD
 
-    idle = (pp - 1) / (3 if schedule in ZERO_BUBBLE else 1)
+    idle = (pp - 1) / (3 if schedule in SPLIT_BACKWARD else 1)
     assert table_bubble(schedule, pp, m, 2) == pytest.approx(idle / (2 * m + idle), rel=1e-12)
     assert pipeline_bubble(pp, m, schedule, 2) == pytest.approx(idle / (2 * m + idle), rel=1e-12)
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from training.parallel.schedules import SINGLE, V_SHAPED
+from training.parallel.schedules import SINGLE, SPLIT_BACKWARD, V_SHAPED
 
-ZERO_BUBBLE = ("zero_bubble", "zbv", "dualpipev")
-"""Schedules that split backward into input- and weight-gradient passes and fill the bubble with
-the weight passes (Qi et al. 2023, 2024; DeepSeek-V3's DualPipe)."""
+# The split-backward schedules fill the bubble with their weight-gradient passes (Qi et al. 2023,
+# 2024; DeepSeek-V3's DualPipe).
 
 
 def pipeline_bubble(pp: int, microbatches: int, schedule: str = "1f1b", virtual: int = 1) -> float:
@@ -31,7 +30,7 @@ def pipeline_bubble(pp: int, microbatches: int, schedule: str = "1f1b", virtual:
         from training.parallel.bubble import table_bubble
 
         return table_bubble(schedule, pp, microbatches, virtual)
-    idle = (pp - 1) / (3 if schedule in ZERO_BUBBLE else 1)
+    idle = (pp - 1) / (3 if schedule in SPLIT_BACKWARD else 1)
     return idle / (virtual * microbatches + idle)
 
 
@@ -43,7 +42,7 @@ def rerun_shares(schedule: str, pp: int, microbatches: int, virtual: int) -> tup
     last rank; ZB-V too, its head on rank 0 beside stage 0; DualPipeV only some (torch's action
     tables, training/parallel/bubble.py). Counted on the trainer at pp=2 x tp=2:
     tests/dist/test_pp_tp_collectives.py."""
-    if schedule not in ZERO_BUBBLE or pp <= 1:
+    if schedule not in SPLIT_BACKWARD or pp <= 1:
         return 0.0, 0.0
     if schedule == "zero_bubble":
         return 1.0, 1.0 if pp > 2 else (virtual - 1) / virtual
@@ -133,7 +132,7 @@ class Waiting(NamedTuple):
 def waiting_weight_passes(schedule: str, pp: int, microbatches: int,
                           virtual: int = 1) -> tuple[tuple[Waiting, ...], tuple[Waiting, ...]]:
     """The points the first rank and the last rank (pp − 1) may peak at under a split-backward
-    schedule (ZERO_BUBBLE); one point, nothing waiting, for the others. torch's input-gradient
+    schedule (SPLIT_BACKWARD); one point, nothing waiting, for the others. torch's input-gradient
     pass (stage_backward_input) keeps, until the weight pass, the gradient of each op's output
     where a weight meets the activations (a linear's, a norm's), so a waiting pass holds those
     beside its activations. Read from torch's own action tables, played in each rank's order
@@ -148,7 +147,7 @@ def waiting_weight_passes(schedule: str, pp: int, microbatches: int,
       p − 1 with 2p + 1 in flight, none, or p, all waiting.
     Below a full pipeline the tables themselves are read."""
     m, p, v = microbatches, pp, virtual
-    if schedule not in ZERO_BUBBLE or p <= 1:
+    if schedule not in SPLIT_BACKWARD or p <= 1:
         held = in_flight(schedule, p, m, v)
         return (Waiting(held.first, 0.0, 0.0),), (Waiting(held.last, 0.0, 0.0),)
     if not _full(schedule, p, m):
