@@ -1,8 +1,9 @@
 """A pipeline schedule in closed form: the bubble, and the microbatches each stage keeps in flight.
 
 GPipe and 1F1B idle (p - 1) / (m + p - 1) of the step (Narayanan et al. 2021); interleaving
-divides that by the stages per rank; the zero-bubble schedules fill it with the weight-gradient
-half of backward. Held against torch's own schedule tables in training/parallel/bubble.py.
+divides that by the stages per rank; the zero-bubble schedules (SPLIT_BACKWARD) fill it with the
+weight-gradient half of backward (Qi et al. 2023, 2024; DeepSeek-V3's DualPipe).
+Held against torch's own schedule tables in training/parallel/bubble.py.
 """
 
 from __future__ import annotations
@@ -10,9 +11,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from training.parallel.schedules import SINGLE, SPLIT_BACKWARD, V_SHAPED
-
-# The split-backward schedules fill the bubble with their weight-gradient passes (Qi et al. 2023,
-# 2024; DeepSeek-V3's DualPipe).
 
 
 def pipeline_bubble(pp: int, microbatches: int, schedule: str = "1f1b", virtual: int = 1) -> float:
