@@ -1,0 +1,131 @@
+"""Where launcher=ray's train-speed gap goes (#27): the train stage's samples/s on Ray as shipped, on
+Ray with some of the job's own Ray processes paused while both ranks train, and on launcher=local,
+the arms taking turns going first, median of each. A diagnostic to run by hand, not a bench row:
+no user run pauses Ray's processes.
+
+    python benchmarks/ray_gap.py ROUNDS ARM [ARM ...]
+
+An ARM names the Ray actor classes to pause (SIGSTOP, then SIGCONT once either rank goes idle),
+joined by '+', e.g. `TrainController+SynchronizationActor`. Each run is a whole `only=[train]`
+invocation joining one running Ray head (the bench's RayHead), the stages upstream of train served
+from a cache filled once, so that only the train stage runs: TRAIN_SPEED_STEPS steps, as the
+bench's samples/s row.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.cli import _cli  # noqa: E402
+from benchmarks.launchers import LAUNCHER_ARGS, TRAIN_SPEED_STEPS, RayHead  # noqa: E402
+
+BUSY = 150.0
+"""The ranks' CPU together, percent of a core, above which both are training (not the stage's
+one-device baseline, not start-up)."""
+
+
+class Pauser(threading.Thread):
+    """Pauses the Ray processes whose actor class is in `classes` while both ranks are busy."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.classes: tuple[str, ...] = ()
+        self.paused: list[psutil.Process] = []
+        self.pauses = 0
+        self.done = False
+
+    def _processes(self) -> tuple[list[psutil.Process], list[psutil.Process]]:
+        ranks, chosen = [], []
+        for proc in psutil.process_iter(["cmdline"]):
+            title = (proc.info["cmdline"] or [""])[0]
+            if title.startswith("ray::RayTrainWorker"):
+                ranks.append(proc)
+            elif any(title.startswith(f"ray::{name}") for name in self.classes):
+                chosen.append(proc)
+        return ranks, chosen
+
+    def run(self) -> None:
+        while not self.done:
+            if not self.classes:
+                time.sleep(0.2)
+                continue
+            ranks, chosen = self._processes()
+            try:
+                for rank in ranks:
+                    rank.cpu_percent(None)
+                time.sleep(0.3)
+                busy = len(ranks) == 2 and sum(rank.cpu_percent(None) for rank in ranks) > BUSY
+            except psutil.NoSuchProcess:
+                continue
+            if busy and not self.paused:
+                for proc in chosen:
+                    try:
+                        proc.send_signal(signal.SIGSTOP)
+                        self.paused.append(proc)
+                    except psutil.NoSuchProcess:
+                        pass
+                self.pauses += 1
+            elif not busy:
+                self.resume()
+
+    def resume(self) -> None:
+        for proc in self.paused:
+            try:
+                proc.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
+        self.paused = []
+
+
+def main(rounds: int, arms: list[str]) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="ray-gap-"))
+    head = RayHead(tmp)
+    pauser = Pauser()
+    pauser.start()
+    args = ["experiment=smoke", "train.steps=60", "tracking=none", "only=[train]"]
+    speed: dict[str, list[float]] = {"ray": [], **{f"ray, {arm} paused": [] for arm in arms}, "local": []}
+    classes = {f"ray, {arm} paused": tuple(arm.split("+")) for arm in arms}
+    try:
+        for launcher in ("ray", "local"):  # fills each launcher's cache: env, bandwidth, lr_find, plan
+            _cli(tmp, *args, *LAUNCHER_ARGS[launcher](head), f"launcher={launcher}", f"hydra.run.dir=fill-{launcher}",
+                 f"cache_dir={tmp}/cache-{launcher}", env=head.env)
+        names = list(speed)
+        for i in range(rounds):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                launcher = "local" if name == "local" else "ray"
+                pauser.classes = classes.get(name, ())
+                run = f"run{i}-{names.index(name)}"
+                try:
+                    _cli(tmp, *args, *LAUNCHER_ARGS[launcher](head), f"train.steps={TRAIN_SPEED_STEPS}",
+                         "force=[train]", f"launcher={launcher}", f"hydra.run.dir={run}",
+                         f"cache_dir={tmp}/cache-{launcher}", env=head.env)
+                finally:
+                    pauser.classes = ()
+                    pauser.resume()
+                summary = json.loads((tmp / run / "summary.json").read_text())
+                speed[name].append(summary["stages"]["train"]["result"]["samples_per_s"])
+            print(f"round {i}: " + ", ".join(f"{n} {v[-1]:.0f}" for n, v in speed.items()), flush=True)
+        local = statistics.median(speed["local"])
+        for name, values in speed.items():
+            print(f"{name}: median {statistics.median(values):.0f} samples/s, {statistics.median(values) / local:.3f} "
+                  "of local")
+        print(f"pauses: {pauser.pauses}")
+    finally:
+        pauser.done = True
+        pauser.resume()
+        head.stop()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2:])
