@@ -5,8 +5,10 @@ no user run pauses Ray's processes.
 
     python benchmarks/ray_gap.py ROUNDS ARM [ARM ...]
 
-An ARM names the Ray actor classes to pause (SIGSTOP, then SIGCONT once either rank goes idle),
-joined by '+', e.g. `TrainController+SynchronizationActor`. Each run is a whole `only=[train]`
+Besides Ray and local as they are, each ARM is a run of names joined by '+': Ray actor classes to
+pause (SIGSTOP, then SIGCONT once either rank goes idle), e.g. `TrainController+SynchronizationActor`;
+`load`, an outside process busy 1 ms in every 5 (20 % of a core) beside the train stage; `local`,
+the arm on launcher=local (`local+load`). Each run is a whole `only=[train]`
 invocation joining one running Ray head (the bench's RayHead), the stages upstream of train served
 from a cache filled once, so that only the train stage runs: TRAIN_SPEED_STEPS steps, as the
 bench's samples/s row.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -29,6 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.cli import _cli  # noqa: E402
 from benchmarks.launchers import LAUNCHER_ARGS, TRAIN_SPEED_STEPS, RayHead  # noqa: E402
+
+LOAD = "import time\nwhile True:\n    t = time.perf_counter()\n    while time.perf_counter() - t < 0.001: pass\n" \
+       "    time.sleep(0.004)\n"
+"""The outside load: 1 ms busy, 4 ms asleep, 200 wake-ups a second (what a busy neighbour does)."""
 
 BUSY = 150.0
 """The ranks' CPU together, percent of a core, above which both are training (not the stage's
@@ -94,8 +101,8 @@ def main(rounds: int, arms: list[str]) -> None:
     pauser = Pauser()
     pauser.start()
     args = ["experiment=smoke", "train.steps=60", "tracking=none", "only=[train]"]
-    speed: dict[str, list[float]] = {"ray": [], **{f"ray, {arm} paused": [] for arm in arms}, "local": []}
-    classes = {f"ray, {arm} paused": tuple(arm.split("+")) for arm in arms}
+    speed: dict[str, list[float]] = {name: [] for name in ["ray", "local", *arms]}
+    classes = {arm: tuple(n for n in arm.split("+") if n not in ("ray", "local", "load")) for arm in speed}
     try:
         for launcher in ("ray", "local"):  # fills each launcher's cache: env, bandwidth, lr_find, plan
             _cli(tmp, *args, *LAUNCHER_ARGS[launcher](head), f"launcher={launcher}", f"hydra.run.dir=fill-{launcher}",
@@ -103,9 +110,10 @@ def main(rounds: int, arms: list[str]) -> None:
         names = list(speed)
         for i in range(rounds):
             for name in names[i % len(names):] + names[:i % len(names)]:
-                launcher = "local" if name == "local" else "ray"
-                pauser.classes = classes.get(name, ())
+                launcher = "local" if "local" in name.split("+") else "ray"
+                pauser.classes = classes[name]
                 run = f"run{i}-{names.index(name)}"
+                load = subprocess.Popen([sys.executable, "-c", LOAD]) if "load" in name.split("+") else None
                 try:
                     _cli(tmp, *args, *LAUNCHER_ARGS[launcher](head), f"train.steps={TRAIN_SPEED_STEPS}",
                          "force=[train]", f"launcher={launcher}", f"hydra.run.dir={run}",
@@ -113,6 +121,9 @@ def main(rounds: int, arms: list[str]) -> None:
                 finally:
                     pauser.classes = ()
                     pauser.resume()
+                    if load is not None:
+                        load.kill()
+                        load.wait()
                 summary = json.loads((tmp / run / "summary.json").read_text())
                 speed[name].append(summary["stages"]["train"]["result"]["samples_per_s"])
             print(f"round {i}: " + ", ".join(f"{n} {v[-1]:.0f}" for n, v in speed.items()), flush=True)
