@@ -127,10 +127,11 @@ def main(rounds: int, arms: list[str]) -> None:
                 summary = json.loads((tmp / run / "summary.json").read_text())
                 speed[name].append(summary["stages"]["train"]["result"]["samples_per_s"])
             print(f"round {i}: " + ", ".join(f"{n} {v[-1]:.0f}" for n, v in speed.items()), flush=True)
-        local = statistics.median(speed["local"])
         for name, values in speed.items():
-            print(f"{name}: median {statistics.median(values):.0f} samples/s, {statistics.median(values) / local:.3f} "
-                  "of local")
+            # Each arm against local under the same outside load, where that arm was run.
+            base = "local+load" if "load" in name.split("+") and "local+load" in speed else "local"
+            print(f"{name}: median {statistics.median(values):.0f} samples/s, "
+                  f"{statistics.median(values) / statistics.median(speed[base]):.3f} of {base}")
         print(f"pauses: {pauser.pauses}")
     finally:
         pauser.done = True
