@@ -8,7 +8,7 @@ over the TP ranks. So one forward + backward, with the plan's modules marking wh
 opens (`colwise` output) and closes (`rowwise` output), counts both parts per sample at once: on
 the meta device, for any model that declares a plan.
 
-With sequence parallelism (training/parallel/tp.py) everything a block saves is split (by heads
+With sequence parallelism (training/parallel/sp.py) everything a block saves is split (by heads
 inside the regions, by position outside them), and so is what the sequence-parallel norms outside
 the blocks save (the final norm); what stays whole is the rest saved outside the blocks (the
 embeddings' indices, the head's input, the loss).
@@ -63,7 +63,7 @@ class TpSplit:
     moe_bytes: int = 0
     """The part saved inside the mixture-of-experts layers (router, experts, combine: the experts
     modules' parents), `experts_bytes` among them: whole on every TP rank under sequence
-    parallelism too, which hands those layers whole tokens (training/parallel/tp.py)."""
+    parallelism too, which hands those layers whole tokens (training/parallel/sp.py)."""
     weight_output_bytes: int = 0
     """The outputs of the ops that take a weight beside an activation (a linear's, a norm's):
     what a split-backward pipeline schedule keeps the gradients of from a microbatch's

@@ -227,7 +227,7 @@ def test_the_memory_ruler_predicts_experts_beside_tensor_parallelism(tmp_path):
 @pytest.mark.slow
 def test_the_memory_ruler_keeps_a_moe_layers_activations_whole_under_sequence_parallelism(tmp_path):
     """tp=2 at world 2 with sequence parallelism: the blocks' norms and residuals are split by
-    position, but the MoE layers take whole tokens (training/parallel/tp.py) and keep what they save
+    position, but the MoE layers take whole tokens (training/parallel/sp.py) and keep what they save
     whole (Activations.moe). Measured 1.01 (without sequence parallelism 1.01); counted as split
     like the rest of the blocks it would be 0.74."""
     ratios = {}

@@ -240,7 +240,7 @@ def test_tensor_parallel_ranks_split_the_tokens_they_route():
 def test_sequence_parallelism_hands_the_experts_whole_tokens_and_takes_their_output_by_position(name):
     """tp=2 with sequence parallelism at world 2: the blocks' norms and residual stream split by
     position, each MoE layer given the gathered norm output whole (as under TP alone) and its
-    output cut by position again (training/parallel/tp.py): one process's losses and loads."""
+    output cut by position again (training/parallel/sp.py): one process's losses and loads."""
     one = run(StrategyConfig(name="ddp"), 1, MOE)
     two = run(StrategyConfig(name=name, dp_replicate=1, dp_shard=1, tp=2, sequence_parallel=True), 2, MOE)
     assert two.losses == pytest.approx(one.losses, **TOL)

@@ -45,7 +45,8 @@ from training.parallel.materialize import materialize
 from training.parallel.pp import apply_pp, build_schedule, is_first, is_last
 from training.parallel.precision import DTYPES, apply_low_precision
 from training.parallel.schedules import checkpointing_problem, data_parallel_problem
-from training.parallel.tp import apply_tp, sequence_layout, split_loss, sum_partial_grads
+from training.parallel.sp import sequence_layout
+from training.parallel.tp import apply_tp, split_loss, sum_partial_grads
 
 
 @dataclass
@@ -149,8 +150,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
     split_logits = False
     if use.tp:
         for part, part_spec in zip(parts(model), specs, strict=True):
-            sequence = (sequence_layout(part, part_spec, strategy.activation_checkpointing)
-                        if strategy.sequence_parallel else None)
+            sequence = (sequence_layout(part, part_spec, strategy.activation_checkpointing,
+                                        strategy.pp_schedule if use.pp else None) if strategy.sequence_parallel else None)
             split_logits |= apply_tp(part, part_spec.tp_plan(part), mesh["tp"], sequence, part_spec.head(part))
     if split_logits:  # the loss on vocabulary-split logits: torch's, under loss_parallel, backward too
         loss = split_loss(loss)
@@ -372,15 +373,14 @@ def clip_model_grads(model: nn.Module, max_norm: float, pp_group: dist.ProcessGr
     by_mesh: dict[object, list[nn.Parameter]] = {}
     for p in params:
         by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-    groups = list(by_mesh.values())
     squared = torch.zeros((), device=params[0].device if params else None)
-    for group in groups:
+    for group in by_mesh.values():
         norm = nn.utils.get_total_norm([p.grad for p in group])
         squared = squared + (norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
     if pp_group is not None:
         dist.all_reduce(squared, group=pp_group)
     norm = squared.sqrt()
-    for group in groups:
+    for group in by_mesh.values():
         nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm
 

@@ -253,7 +253,7 @@ def comm_time(shape: Shape, strategy: str, d: ParallelDims, micro_batch: int, gr
             # output is cut by position); a pipeline stage its output, sent whole, and its input's
             # gradient (the input is cut by position), whichever stage it is. Under SP a MoE layer
             # takes the gathered norm output whole and cuts its output by position
-            # (training/parallel/tp.py), so its feed-forward reduce-scatters nothing, in forward or
+            # (training/parallel/sp.py), so its feed-forward reduce-scatters nothing, in forward or
             # backward, nor re-gathers a saved shard.
             ends = 2 * (virtual if d.pp > 1 else 1)
             return {"all_gather": per_layer * 6 + ends * chunks + again * (16 if recompute == "full" else 4)

@@ -266,7 +266,7 @@ def stage_activations(w: Workload, d: ParallelDims) -> StageActivations:
     per_sample = a.saved
     split = w.head_split(d)
     if d.tp > 1:
-        # Sequence parallelism hands the MoE layers whole tokens (training/parallel/tp.py): they
+        # Sequence parallelism hands the MoE layers whole tokens (training/parallel/sp.py): they
         # keep what they save whole, as under TP alone.
         kept = a.sp_replicated + a.moe if w.sequence_parallel else a.tp_replicated
         if d.ep > 1:  # the TP ranks split the experts' tokens (training/parallel/ep.py)
