@@ -5,8 +5,9 @@ no user run pauses Ray's processes.
 
     python benchmarks/ray_gap.py ROUNDS ARM [ARM ...]
 
-Besides Ray and local as they are, each ARM is a run of names joined by '+': Ray actor classes to
-pause (SIGSTOP, then SIGCONT once either rank goes idle), e.g. `TrainController+SynchronizationActor`;
+Besides Ray and local as they are, each ARM is a run of names joined by '+': Ray processes to pause
+(SIGSTOP, then SIGCONT once either rank goes idle), by actor class, e.g.
+`TrainController+SynchronizationActor`, or by the script a Ray daemon runs, e.g. `log_monitor`;
 `load`, an outside process busy 1 ms in every 5 (20 % of a core) beside the train stage; `local`,
 the arm on launcher=local (`local+load`). Each run is a whole `only=[train]`
 invocation joining one running Ray head (the bench's RayHead), the stages upstream of train served
@@ -43,7 +44,7 @@ one-device baseline, not start-up)."""
 
 
 class Pauser(threading.Thread):
-    """Pauses the Ray processes whose actor class is in `classes` while both ranks are busy."""
+    """Pauses the Ray processes whose actor class or script is in `classes` while both ranks are busy."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
@@ -55,10 +56,11 @@ class Pauser(threading.Thread):
     def _processes(self) -> tuple[list[psutil.Process], list[psutil.Process]]:
         ranks, chosen = [], []
         for proc in psutil.process_iter(["cmdline"]):
-            title = (proc.info["cmdline"] or [""])[0]
-            if title.startswith("ray::RayTrainWorker"):
+            cmdline = proc.info["cmdline"] or [""]
+            if cmdline[0].startswith("ray::RayTrainWorker"):
                 ranks.append(proc)
-            elif any(title.startswith(f"ray::{name}") for name in self.classes):
+            elif any(cmdline[0].startswith(f"ray::{name}") or any(a.endswith(f"/{name}.py") for a in cmdline[1:3])
+                     for name in self.classes):
                 chosen.append(proc)
         return ranks, chosen
 
