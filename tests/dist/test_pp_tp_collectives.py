@@ -113,7 +113,8 @@ def test_a_split_backwards_weight_pass_collectives_are_the_cost_models(schedule,
 def test_dualpipev_runs_again_only_the_weight_passes_its_table_splits(sequence_parallel, checkpointing):
     """DualPipeV splits only some backwards (torch's action table at pp=2, m=4: 2 weight passes past
     the first stage on rank 1 of its 8 stage runs, 1 on rank 0, which holds the head): the plan
-    reads the shares from the table and prices the busier rank."""
+    reads the shares from the table and prices the busier rank; each rank makes the calls its
+    share of the table says, the head's rank and the other alike."""
     from training.planner.pipeline import rerun_shares
 
     strategy = StrategyConfig(name="hybrid", pp=2, tp=2, dp_replicate=1, dp_shard=1, microbatches=4,
@@ -122,6 +123,17 @@ def test_dualpipev_runs_again_only_the_weight_passes_its_table_splits(sequence_p
     assert rerun_shares("dualpipev", 2, 4, 2) == (1 / 8, 2 / 8)
     ranks = run_world("tests.dist.workers:collectives_by_rank", (DEEP, strategy, 8), world=4, timeout_s=180)
     assert _priced(strategy, DEEP) == _busiest(ranks)
+    layer_runs = 4 * 2 * 2  # microbatches x the V's two stages x two layers a stage
+    full = checkpointing == "full"
+    for rank, share, head in ((0, 1 / 8, 4 * 4), (2, 2 / 8, 0)):  # rank 0 holds stages 0 and 3 (the head)
+        reruns = round(share * layer_runs)
+        if sequence_parallel:
+            expected = {"all_gather": 6 * layer_runs + 2 * 2 * 4 + (16 if full else 4) * reruns,
+                        "reduce_scatter": (5 if full else 4) * layer_runs + 8 * full * reruns,
+                        "all_reduce": 1 + head}
+        else:  # full checkpointing
+            expected = {"all_reduce": 5 * layer_runs + 8 * reruns + head}
+        assert ranks[rank] == expected, rank
 
 
 @pytest.mark.slow
