@@ -7,7 +7,7 @@ no user run pauses Ray's processes.
 
 Besides Ray and local as they are, each ARM is a run of names joined by '+': Ray processes to pause
 (SIGSTOP, then SIGCONT once either rank goes idle), by actor class, e.g.
-`TrainController+SynchronizationActor`, or by the script a Ray daemon runs, e.g. `log_monitor`;
+`TrainController+SynchronizationActor`, or by a Ray daemon's binary or script, e.g. `raylet`, `log_monitor`;
 `load`, an outside process busy 1 ms in every 5 (20 % of a core) beside the train stage; `local`,
 the arm on launcher=local (`local+load`). Each run is a whole `only=[train]`
 invocation joining one running Ray head (the bench's RayHead), the stages upstream of train served
@@ -59,8 +59,8 @@ class Pauser(threading.Thread):
             cmdline = proc.info["cmdline"] or [""]
             if cmdline[0].startswith("ray::RayTrainWorker"):
                 ranks.append(proc)
-            elif any(cmdline[0].startswith(f"ray::{name}") or any(a.endswith(f"/{name}.py") for a in cmdline[1:3])
-                     for name in self.classes):
+            elif any(cmdline[0].startswith(f"ray::{name}") or cmdline[0].endswith(f"/{name}")
+                     or any(a.endswith(f"/{name}.py") for a in cmdline[1:3]) for name in self.classes):
                 chosen.append(proc)
         return ranks, chosen
 
