@@ -13,7 +13,6 @@ from training.config import ModelConfig, StrategyConfig
 from training.contract.calls import batch_loss, build_model, model_loss
 from training.contract.spec import model_spec, tp_divisors
 from training.parallel.ac import apply_ac
-from training.parallel.schedules import SPLIT_BACKWARD
 from training.parallel.sp import sequence_layout
 from training.planner.anatomy import measure_variant
 
@@ -75,14 +74,16 @@ def test_the_gpt_and_hugging_face_presets_declare_their_sequence_parallel_norms(
     assert "q_proj" in " ".join(spec.tp_plan(llama)), "its own TP plan is kept"
 
 
-@pytest.mark.parametrize("schedule", [None, "gpipe", "1f1b", "interleaved_1f1b", *SPLIT_BACKWARD])
-def test_only_a_split_backward_stage_hands_on_a_copy_of_its_gathered_output(schedule):
+@pytest.mark.parametrize("schedule,copies", [(None, False), ("gpipe", False), ("1f1b", False),
+                                              ("interleaved_1f1b", False), ("zero_bubble", True), ("zbv", True),
+                                              ("dualpipev", True)])
+def test_only_a_split_backward_stage_hands_on_a_copy_of_its_gathered_output(schedule, copies):
     """A split-backward schedule detaches a stage's output in place, which autograd refuses on
     full_tensor()'s view (tests/dist/test_pp_tp_collectives.py trains each such schedule); every
     other layout hands the gathered residual stream on as it is, with no copy of b x s x h."""
     model = build_model(GPT, 0)
     layout = sequence_layout(model, model_spec(model, GPT), "none", schedule)
-    assert layout.copy_output == (schedule in SPLIT_BACKWARD)
+    assert layout.copy_output is copies
 
 
 def test_a_model_without_sequence_parallel_norms_is_refused_at_tp_above_1(compose_cfg):

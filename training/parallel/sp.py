@@ -15,6 +15,7 @@ the TP ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,7 +99,7 @@ def by_position(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     return x if x.placements == (POSITIONS,) else x.redistribute(placements=[POSITIONS])
 
 
-def _whole_output(copy: bool) -> Any:
+def _whole_output(copy: bool) -> Callable[[nn.Module, tuple, Any], Any]:
     """The forward hook by which the model (or stage) hands the residual stream on whole, a copy
     when `copy`; the head's logits, split by vocabulary (tp.py's loss parallelism), go on as they are."""
 
