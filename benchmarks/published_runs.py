@@ -203,6 +203,14 @@ ROWS = [
                 titan_h100_96g(llama405b(512, 8, cp, 8, seq, 8 * (8 // cp), 8, "1f1b", 1, "fp8")), tps,
                 "torchtitan Float8, H100", "Table 6", memory_gib=mem)
       for cp, seq, tps, mem in ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1), (8, 262144, 16, 84.9))),
+    *(Published(TITAN_405, f"Llama 3.1 8B, 8 H100, FSDP {8 // cp} CP {cp}, seq {seq // 1024}K", titan_h100_96g((
+                *llama(4096, 14336, 32, 32, 8, 128256, seq), "cluster=h100-80g-ndr", "nodes=1", "strategy=hybrid",
+                "strategy.dp_replicate=1", f"strategy.dp_shard={8 // cp}", "strategy.tp=1", f"strategy.cp={cp}",
+                "strategy.pp=1", f"train.global_batch={8 // cp}", "train.grad_accum=1", "strategy.precision=fp8",
+                "strategy.activation_checkpointing=full")), tps, "torchtitan Float8, H100",
+                "Table 2; local batch 1", memory_gib=mem)
+      for cp, seq, tps, mem in ((1, 32768, 3890, 83.9), (2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0),
+                                (8, 262144, 548, 84.5))),
 ]
 
 

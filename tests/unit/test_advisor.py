@@ -121,7 +121,7 @@ def test_published_megatron_run_is_predicted_within_20_percent():
 
     got = check(ROWS[0])
     assert got.fits and 0.8 <= got.ratio <= 1.2, got
-    assert got.recommended_fits and got.recommended >= got.predicted
+    assert got.advice_holds
 
 
 def test_a_stacks_anchor_sets_the_fraction_of_peak_its_other_runs_are_predicted_with():
@@ -187,7 +187,6 @@ def test_every_layout_searched_is_one_that_its_command_trains():
     assert ("ddp", ParallelDims(dp_replicate=2, pp=4)) in found and ("zero1", ParallelDims(dp_replicate=8)) in found
 
 
-@pytest.mark.slow
 def published_table() -> tuple[list[str], str]:
     """docs/published.md's row lines and its summary line."""
     from benchmarks.published import ROOT
@@ -215,10 +214,12 @@ def test_the_published_tables_summary_counts_its_own_rows():
     assert f"of the {len(anchored)} held-out" in summary
     assert counts[2] == sum(fits)
     # The recommendation fits and is predicted at least as fast as the published layout in every
-    # row: the search covers every layout this trainer runs (Float8 with TP included since it
-    # trains). (Number cells carry thousands separators.)
+    # row, within the ranking's tie: the search covers every layout this trainer runs (Float8 with
+    # TP included since it trains). (Number cells carry thousands separators.)
+    from training.planner.ranking import TIE
+
     cells = [r.split(" | ") for r in rows]
-    slower = [c[0] for c in cells if float(c[10].replace(",", "")) < float(c[4].replace(",", ""))]
+    slower = [c[0] for c in cells if float(c[10].replace(",", "")) < (1 - TIE) * float(c[4].replace(",", ""))]
     assert slower == [] and counts[3] == len(rows)
 
 
@@ -241,7 +242,7 @@ def test_the_llama3_405b_rows_are_what_make_bench_writes():
     assert regenerated == [row for row in published_table()[0] if row.startswith("| Llama 3 405B")]
     assert all(c.fits for c in checked)
     assert all(c.anchored.within_20_pct for c in checked[1:]), [c.anchored.ratio for c in checked[1:]]
-    assert all(c.recommended_fits and c.recommended >= c.predicted for c in checked)
+    assert all(c.advice_holds for c in checked)
     assert all("tp8" in c.recommendation or "tp4" in c.recommendation or "tp" not in c.recommendation
                for c in checked), "TP stays within a node of 8"
 
@@ -263,4 +264,29 @@ def test_the_qwen3_moe_rows_are_what_make_bench_writes():
         regenerated = [line for line in (Path(tmp) / "t.md").read_text().splitlines() if line.startswith("| Qwen3")]
     assert len(regenerated) == 3
     assert regenerated == [row for row in published_table()[0] if row.startswith("| Qwen3")]
-    assert all(c.recommended_fits and c.recommended >= c.predicted for c in checked)
+    assert all(c.advice_holds for c in checked)
+
+
+@pytest.mark.slow
+def test_torchtitans_long_context_rows_are_what_make_bench_writes():
+    """torchtitan's Table 2 (Llama 3.1 8B on 8 H100s, one sample per FSDP x CP group from 32K to 256K
+    tokens, Float8, full recomputation), anchored on its stack's first row (the 405B interleaved
+    run): the same lines as docs/published.md; each layout fits, and the search, which looks at CP
+    beside TP in a node when the batch is too small for data parallelism alone, recommends one at
+    least as fast. The 32K and 64K rows are within 20 % held out (the 128K and 256K rows are not:
+    docs/advisor.md)."""
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.published import ROWS, anchored, check, write_table
+
+    stack = [r for r in ROWS if r.stack == "torchtitan Float8, H100"]
+    rows = [stack[0], *(r for r in stack if r.label.startswith("Llama 3.1 8B, 8 H100"))]
+    checked, anchors = anchored([check(r) for r in rows])
+    with tempfile.TemporaryDirectory() as tmp:
+        write_table(checked, anchors, Path(tmp) / "t.md")
+        regenerated = [line for line in (Path(tmp) / "t.md").read_text().splitlines() if "| Llama 3.1 8B, 8 H100" in line]
+    assert len(regenerated) == 4
+    assert regenerated == [row for row in published_table()[0] if row.startswith("| Llama 3.1 8B, 8 H100")]
+    assert all(c.fits and c.advice_holds for c in checked)
+    assert all(c.anchored.within_20_pct for c in checked[1:3]), [c.anchored.ratio for c in checked[1:]]

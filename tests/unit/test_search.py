@@ -118,3 +118,24 @@ def test_when_nothing_fits_the_closest_miss_is_the_least_memory_of_the_whole_spa
     assert min(c.memory_per_device_bytes for c in searched.ranked) == pytest.approx(least, rel=1e-12)
     assert f"needs {least / GIB:.1f} GiB per device" in closest_miss(searched.ranked, limit)
     assert {c.strategy for c in searched.ranked} == {k[0] for k, *_ in walked}, "every strategy is quoted"
+
+
+def test_context_parallelism_is_searched_for_long_sequences_anywhere_and_for_small_batches_in_a_node():
+    """search_cp: a model split over the sequence searches CP at any degree when a sample's least
+    saved activations, over a node's TP, take a quarter of the device; inside a node with TP (cp x
+    tp at most 8) when the global batch has fewer samples than devices; else not at all."""
+    import dataclasses
+
+    from training.planner.space import search_cp
+
+    splittable = dataclasses.replace(SHAPE, context_parallel=True)
+    # SHAPE's least saved activations: 2 GiB (full checkpointing), over TP 8: far below 20 GiB / 4.
+    assert search_cp(SHAPE, VARIANTS, LIMIT, 8, 64, 32) == 1, "attention the CP path cannot split"
+    assert search_cp(splittable, VARIANTS, LIMIT, 8, 64, 512) == 1, "512 samples keep 64 devices busy"
+    assert search_cp(splittable, VARIANTS, LIMIT, 8, 64, 32) == 8
+    long = [dataclasses.replace(v, activations=Activations(48 * GIB)) for v in VARIANTS]  # 6 GiB over TP 8
+    assert search_cp(splittable, long, LIMIT, 8, 64, 512) == 64
+    in_node = [d for _, d in layouts(64, splittable, max_cp=8) if d.cp > 1]
+    assert {d.cp for d in in_node} == {2, 4, 8} and max(d.cp * d.tp for d in in_node) == 8
+    assert max(d.cp for _, d in layouts(64, splittable, max_cp=64)) == 64
+    assert all(d.cp == 1 for _, d in layouts(64, splittable))

@@ -161,7 +161,8 @@ def advise(cfg: PlanInputs, anatomy: Anatomy, costs: list[VariantCost], hw: Hard
         variants=variants, strategies=tuple(cfg.plan.strategies) if cfg.plan.strategies else None,
         clip=cfg.train.grad_clip is not None, expert_imbalance=expert_imbalance,
         expert_held_imbalance=expert_held_imbalance,
-        context_parallel=search_cp(anatomy.shape, variants, memory_limit, min(hw.devices_per_node, world)),
+        max_cp=search_cp(anatomy.shape, variants, memory_limit, min(hw.devices_per_node, world), world,
+                                   cfg.train.global_batch),
     )
     searched = search(space, anatomy.shape, hw, anatomy.tokens_per_sample, anatomy.flops_per_sample,
                       memory_limit, overlap, calibration, command_prefix(cfg))

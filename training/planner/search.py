@@ -50,7 +50,7 @@ def search(space: Space, shape: Shape, hw: Hardware, tokens_per_sample: int, mod
     tests/unit/test_search.py holds this against an exhaustive walk."""
     kept: list[Candidate] = []
     evaluated = 0
-    for flavour, d in layouts(space.world, shape, space.context_parallel):
+    for flavour, d in layouts(space.world, shape, space.max_cp):
         name = strategy_name(flavour, d)
         if space.strategies is not None and name not in space.strategies:
             continue

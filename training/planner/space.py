@@ -62,9 +62,9 @@ class Space:
     """Routing imbalance measured per expert-parallel degree (Workload.expert_imbalance)."""
     expert_held_imbalance: tuple[tuple[int, float], ...] = ()
     """What the busiest rank holds, for memory (Workload.expert_held_imbalance)."""
-    context_parallel: bool = False
-    """Search cp > 1 (the model can be split over the sequence, and its activations are what fills
-    a device: search_cp)."""
+    max_cp: int = 1
+    """The largest group of context- and tensor-parallel ranks (cp x tp) searched with cp > 1
+    (search_cp): 1, no context parallelism."""
 
 
 def strategy_name(flavour: str, d: ParallelDims) -> str:
@@ -81,14 +81,14 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def layouts(world: int, shape: Shape, context_parallel: bool = False) -> Iterator[tuple[str, ParallelDims]]:
-    """Every (flavour, degrees) the model and the implementation allow on `world` devices (cp > 1
-    only when `context_parallel`)."""
+def layouts(world: int, shape: Shape, max_cp: int = 1) -> Iterator[tuple[str, ParallelDims]]:
+    """Every (flavour, degrees) the model and the implementation allow on `world` devices, cp > 1
+    where cp x tp is at most `max_cp`."""
     for tp in divisors(world):
         if tp > 1 and (shape.block_linear_params == 0 or any(size % tp for size in shape.tp_sizes)):
             continue
-        for cp in divisors(world // tp) if context_parallel else [1]:
-            if cp > 1 and shape.seq_len % (2 * cp):
+        for cp in divisors(world // tp):
+            if cp > 1 and (cp * tp > max_cp or shape.seq_len % (2 * cp)):
                 continue
             for pp in divisors(world // tp // cp):
                 if pp > 1 and (not shape.pipeline or pp > shape.layers):
@@ -123,15 +123,24 @@ def _data_parallel(dp: int, tp: int, cp: int, pp: int) -> Iterator[tuple[str, Pa
             yield strategies.flavours()[0].name, d
 
 
-def search_cp(shape: Shape, variants: list[Variant], memory_limit: float, devices_per_node: int) -> bool:
-    """Whether context parallelism is worth searching: the model can be split over the sequence and
-    a sample's activations, at the least any setting saves and divided by a node's tensor
-    parallelism, still take a quarter of a device (the point where sequence length, not states,
-    is the memory problem, as at Llama 3's 128K context)."""
+def search_cp(shape: Shape, variants: list[Variant], memory_limit: float, devices_per_node: int,
+              world: int = 1, global_batch: int | None = None) -> int:
+    """The largest group of context- and tensor-parallel ranks (cp x tp) to search context
+    parallelism in (1: none), where the model can be split over the sequence:
+    - any, where a sample's activations, at the least any setting saves and divided by a node's
+      tensor parallelism, still take a quarter of a device: the point where sequence length, not
+      states, is the memory problem (Llama 3's 128K context, CP 16 across nodes);
+    - a node, where the global batch has fewer samples than there are devices: data parallelism
+      alone cannot occupy them, some degree must split a sample (TP, PP or CP), and CP is then
+      searched beside TP inside a node, where each is kept (torchtitan's long-context runs: one
+      sample per FSDP x CP group on 8 GPUs; under GQA, CP's K/V gather moves less than TP's
+      activations)."""
     if not shape.context_parallel or shape.seq_len < 2 or not variants:
-        return False
+        return 1
     least = min(v.activations.saved for v in variants)
-    return least / max(min(devices_per_node, max(shape.tp_sizes or (1,))), 1) > memory_limit / 4
+    if least / max(min(devices_per_node, max(shape.tp_sizes or (1,))), 1) > memory_limit / 4:
+        return world
+    return devices_per_node if global_batch is not None and global_batch < world else 1
 
 
 def batch_splits(space: Space, dp: int) -> list[tuple[int, int]]:
