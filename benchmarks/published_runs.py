@@ -82,9 +82,10 @@ def megatron(h: int, layers: int, heads: int, t: int, p: int, d: int, mbs: int, 
             f"train.global_batch={gbs}", *batch, "strategy.precision=fp16", "strategy.activation_checkpointing=full")
 
 
-def fsdp(gpus: int, mbs: int, gbs: int, ac: str, cluster: str) -> tuple[str, ...]:
+def fsdp(gpus: int, mbs: int, gbs: int, ac: str, cluster: str, precision: str = "bf16") -> tuple[str, ...]:
     return (f"cluster={cluster}", f"nodes={gpus // 8}", "strategy=zero3", f"train.global_batch={gbs}",
-            f"train.grad_accum={gbs // (mbs * gpus)}", "strategy.precision=bf16", f"strategy.activation_checkpointing={ac}")
+            f"train.grad_accum={gbs // (mbs * gpus)}", f"strategy.precision={precision}",
+            f"strategy.activation_checkpointing={ac}")
 
 
 def qwen3_235b(layout: tuple[str, ...], gpus: int = 256) -> tuple[str, ...]:
@@ -211,6 +212,16 @@ ROWS = [
                 "Table 2; local batch 1", memory_gib=mem)
       for cp, seq, tps, mem in ((1, 32768, 3890, 83.9), (2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0),
                                 (8, 262144, 548, 84.5))),
+    *(Published(TITAN_405, f"Llama 3.1 8B, {gpus} H100, FSDP, bs 2, Float8", titan_h100_96g((
+                *llama(4096, 14336, 32, 32, 8, 128256, 8192), *fsdp(gpus, 2, 2 * gpus, "selective", "h100-80g-ndr",
+                                                                      "fp8"))), tps, "torchtitan Float8, H100",
+                f"Table {table}; selective recomputation", memory_gib=mem)
+      for table, gpus, tps, mem in ((1, 8, 8532, 76.8), (3, 128, 8380, 61.8))),
+    Published(TITAN_405, "Llama 3.1 70B, 256 H100, FSDP 32 TP 8, bs 16, Float8", titan_h100_96g((
+        *llama(8192, 28672, 80, 64, 8, 128256, 8192), "cluster=h100-80g-ndr", "nodes=32", "strategy=hybrid",
+        "strategy.dp_replicate=1", "strategy.dp_shard=32", "strategy.tp=8", "strategy.pp=1", "strategy.sequence_parallel=true",
+        "train.global_batch=512", "train.grad_accum=1", "strategy.precision=fp8", "strategy.activation_checkpointing=full")),
+        829, "torchtitan Float8, H100", "Table 4, without AsyncTP (876 with it)", memory_gib=71.9),
 ]
 
 
