@@ -136,3 +136,24 @@ def test_microbatches_in_flight_on_the_first_and_the_last_rank_are_the_planners(
             held = rank["saved_bytes"] / rank["microbatch_bytes"]
             assert 0.9 * rank["stages"] <= held <= rank["stages"] + 0.01, f"{name}: bytes as the count"
     assert [r["stages"] for r in peaks["1f1b"]] == [pp - r for r in range(pp)], "1F1B: stage s holds pp - s"
+
+
+def view_output_gpt(**kwargs) -> object:
+    """The built-in GPT whose blocks hand on a view of their output (as a block ending in a reshape
+    or a slice does): a split-backward schedule detaches a stage's output in place, which autograd
+    refuses on a view unless the stage hands on its own tensor."""
+    from training.models.gpt import build
+
+    model = build(**kwargs)
+    for block in model.layers.values():
+        block.forward = lambda *args, _forward=block.forward, **kw: _forward(*args, **kw).view(-1).view(args[0].shape)
+    return model
+
+
+VIEW_GPT4 = dataclasses.replace(GPT4, target="tests.dist.test_pipeline_schedules.view_output_gpt")
+
+
+@pytest.mark.parametrize("name", ["zero_bubble", "zbv", "dualpipev"])
+def test_a_stage_whose_output_is_a_view_trains_under_each_split_backward_schedule(name):
+    result = run(SCHEDULES[name], 2, VIEW_GPT4)
+    assert result.losses == pytest.approx(reference(VIEW_GPT4).losses, **TOL)

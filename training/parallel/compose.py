@@ -150,8 +150,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, strategy: StrategyConfig, dev
     split_logits = False
     if use.tp:
         for part, part_spec in zip(parts(model), specs, strict=True):
-            sequence = (sequence_layout(part, part_spec, strategy.activation_checkpointing,
-                                        strategy.pp_schedule if use.pp else None) if strategy.sequence_parallel else None)
+            sequence = (sequence_layout(part, part_spec, strategy.activation_checkpointing)
+                        if strategy.sequence_parallel else None)
             split_logits |= apply_tp(part, part_spec.tp_plan(part), mesh["tp"], sequence, part_spec.head(part))
     if split_logits:  # the loss on vocabulary-split logits: torch's, under loss_parallel, backward too
         loss = split_loss(loss)

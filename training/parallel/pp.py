@@ -26,7 +26,7 @@ from torch.distributed.pipelining import (
 
 from training.contract.blocks import PipelineLayout
 from training.parallel.chunks import PipelineChunks, parts, split
-from training.parallel.schedules import SINGLE, rank_stages
+from training.parallel.schedules import SINGLE, SPLIT_BACKWARD, rank_stages
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -63,10 +63,26 @@ def build_schedule(
     gradients accumulated over several steps of the schedule are not divided again."""
     pp = pp_mesh.size()
     ids = rank_stages(schedule, pp_mesh.get_local_rank(), pp, virtual)
+    if schedule in SPLIT_BACKWARD:
+        for chunk, index in zip(parts(module), ids, strict=True):
+            if index < pp * virtual - 1:  # the last stage's loss is what it detaches, not its output
+                chunk.register_forward_hook(_own_output)
     stages = [PipelineStage(chunk, index, pp * virtual, device, group=pp_mesh.get_group())
               for chunk, index in zip(parts(module), ids, strict=True)]
     held = stages[0] if schedule in SINGLE else stages
     return SCHEDULES[schedule](held, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def _own_output(module: nn.Module, args: tuple, out: object) -> object:
+    """A stage's output handed on as a tensor of its own where it is a view (a block ending in a
+    reshape or a slice; sequence parallelism's gathered residual stream, full_tensor()'s view):
+    a split-backward schedule detaches the stage's outputs in place once their input gradients
+    are taken, which autograd refuses on a view. One copy a microbatch, of views only."""
+    if isinstance(out, torch.Tensor):
+        return out.clone() if out._is_view() else out
+    if isinstance(out, tuple):
+        return tuple(t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t for t in out)
+    return out
 
 
 def is_first(pp_mesh: DeviceMesh, schedule: str = "gpipe", virtual: int = 1) -> bool:

@@ -15,7 +15,6 @@ the TP ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +26,6 @@ from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from training.contract.spec import ModelSpec
 from training.memory import packed, storage_id
-from training.parallel.schedules import SPLIT_BACKWARD
 
 POSITIONS = Shard(1)
 """Where sequence parallelism splits an activation (batch, sequence, hidden): by position."""
@@ -51,20 +49,14 @@ class SequenceLayout:
     """Modules of the blocks outside the TP plan that take whole tokens: a mixture of experts'
     layers (router and experts), which get the gathered norm output as TP alone hands it and give
     their output back by position."""
-    copy_output: bool = False
-    """The model (a pipeline stage) hands its output on as a copy of the gathered residual stream,
-    not full_tensor()'s view: split-backward schedules detach a stage's output in place, which
-    autograd refuses on a view. False elsewhere, where the copy would only cost memory and time."""
 
 
-def sequence_layout(model: nn.Module, spec: ModelSpec, checkpointing: str,
-                    schedule: str | None = None) -> SequenceLayout:
-    """The model's sequence-parallel layout under `checkpointing`, as a pipeline stage under
-    `schedule` (None: no pipeline) (ContractError: no norms declared): the MoE layers are the
-    parents of the experts modules its expert plan names."""
+def sequence_layout(model: nn.Module, spec: ModelSpec, checkpointing: str) -> SequenceLayout:
+    """The model's sequence-parallel layout under `checkpointing` (ContractError: no norms
+    declared): the MoE layers are the parents of the experts modules its expert plan names."""
     moe = [model.get_submodule(site.name.rpartition(".")[0]) for site in spec.experts(model, whole=False)]
     return SequenceLayout(spec.sp_norms(model, whole=False), [b.module for b in spec.live_blocks()],
-                          checkpointing == "none", moe, schedule in SPLIT_BACKWARD)
+                          checkpointing == "none", moe)
 
 
 def norm_styles(model: nn.Module, sequence: SequenceLayout, present: set[str]) -> dict[str, ParallelStyle]:
@@ -83,7 +75,7 @@ def apply_sp(model: nn.Module, sequence: SequenceLayout, column_split: list[nn.M
     position, the MoE layers given whole tokens, and the `column_split` linears saving shards."""
     for block in sequence.blocks:
         block.register_forward_pre_hook(lambda m, args: (by_position(args[0], mesh), *args[1:]))
-    model.register_forward_hook(_whole_output(sequence.copy_output))
+    model.register_forward_hook(_whole_output)
     for module in sequence.whole:
         _takes_whole_tokens(module, mesh)
     if sequence.keep_shards:
@@ -99,17 +91,13 @@ def by_position(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     return x if x.placements == (POSITIONS,) else x.redistribute(placements=[POSITIONS])
 
 
-def _whole_output(copy: bool) -> Callable[[nn.Module, tuple, Any], Any]:
-    """The forward hook by which the model (or stage) hands the residual stream on whole, a copy
-    when `copy`; the head's logits, split by vocabulary (tp.py's loss parallelism), go on as they are."""
-
-    def whole(m: nn.Module, args: tuple, out: Any) -> Any:
-        if not (isinstance(out, DTensor) and out.placements == (POSITIONS,)):
-            return out
-        full = out.full_tensor()
-        return full.clone() if copy else full
-
-    return whole
+def _whole_output(m: nn.Module, args: tuple, out: Any) -> Any:
+    """The forward hook by which the model (or stage) hands the residual stream on whole (a view:
+    under a split-backward schedule pp.py hands a stage's view on as a copy); the head's logits,
+    split by vocabulary (tp.py's loss parallelism), go on as they are."""
+    if not (isinstance(out, DTensor) and out.placements == (POSITIONS,)):
+        return out
+    return out.full_tensor()
 
 
 def _takes_whole_tokens(module: nn.Module, mesh: DeviceMesh) -> None:
