@@ -1,4 +1,5 @@
-"""launcher=local: worker processes on this machine, rendezvous on 127.0.0.1.
+"""launcher=local: worker processes on this machine, rendezvous on 127.0.0.1 (rank 0's store on a
+port the OS chose, named in a file: worker.file_rendezvous).
 
 `nodes=4` means four groups of `procs_per_node` processes; each knows its node index
 (GROUP_RANK), so the env stage sees four nodes. Each worker is its own process group, so that a
@@ -10,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from pipelines.launchers.worker import (
     DEVICE_ENV,
     DISTRIBUTED_ENV,
     PARENT_DEATH_ENV,
+    RENDEZVOUS_ENV,
     TIMEOUT_ENV,
 )
 from pipelines.placement import NodeIdentity, Placement, node_identity, resolved_backend
@@ -32,13 +34,7 @@ from pipelines.schema import LauncherConfig
 POLL_S = 0.05
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def worker_env(rank: int, world: WorldSpec, port: int, cfg: LauncherConfig, ranks_per_host: int,
+def worker_env(rank: int, world: WorldSpec, rendezvous: Path, cfg: LauncherConfig, ranks_per_host: int,
                backend: str) -> dict[str, str]:
     """A worker's environment: its place in the world, and `backend` resolved once for all ranks."""
     env = dict(os.environ)
@@ -48,14 +44,13 @@ def worker_env(rank: int, world: WorldSpec, port: int, cfg: LauncherConfig, rank
         LOCAL_RANK=str(rank % world.procs_per_node),
         LOCAL_WORLD_SIZE=str(world.procs_per_node),
         GROUP_RANK=str(rank // world.procs_per_node),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         PYTHONPATH=worker_pythonpath(),
         PYTHONUNBUFFERED="1",
         **{
             BACKEND_ENV: backend,
             TIMEOUT_ENV: str(cfg.timeout_s),
             DISTRIBUTED_ENV: "1" if world.distributed else "0",
+            RENDEZVOUS_ENV: str(rendezvous),
             # All emulated nodes share this host's GPUs: device = global rank.
             DEVICE_ENV: str(rank),
             PARENT_DEATH_ENV: "1",
@@ -79,7 +74,7 @@ class LocalLauncher:
     def run(self, task: Task, world: WorldSpec) -> Any:
         workdir = Path(task.workdir)
         task_file = write_task(task)
-        port = free_port()
+        rendezvous = workdir / f"rendezvous-{uuid.uuid4().hex[:8]}"
         procs: list[subprocess.Popen] = []
         try:
             for rank in range(world.size):
@@ -87,7 +82,7 @@ class LocalLauncher:
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, "-m", "pipelines.launchers.worker", str(task_file)],
-                        env=worker_env(rank, world, port, self.cfg, self.ranks_per_host, self.backend),
+                        env=worker_env(rank, world, rendezvous, self.cfg, self.ranks_per_host, self.backend),
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,
@@ -101,6 +96,7 @@ class LocalLauncher:
         finally:
             _kill(procs)
             remove_task(task)
+            rendezvous.unlink(missing_ok=True)
         return read_result(task)
 
     def _wait(self, procs: list[subprocess.Popen], workdir: Path) -> None:

@@ -2,9 +2,10 @@
 
     python -m pipelines.launchers.worker <task.pkl>
 
-It reads its place in the world from torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT), initialises torch.distributed with a collective timeout, calls the
-stage function, and leaves rank 0's result next to the task file. Any exception is written to
+It reads its place in the world from torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK),
+meets its peers at a store rank 0 opens on a port the OS chose and names in a file
+(SCALESTUDY_RENDEZVOUS: launcher=local and launcher=slurm; MASTER_ADDR and MASTER_PORT where it
+is not set), initialises torch.distributed with a collective timeout, calls the stage function, and leaves rank 0's result next to the task file. Any exception is written to
 `error-rank<R>.json` (type, message, traceback; the driver reports the message) and exits non-zero.
 Every rank, failed or not, leaves its peak device memory over the stage in `memory-rank<R>.json`.
 """
@@ -39,7 +40,8 @@ SLURM_STEP_ENV = "SCALESTUDY_SLURM_STEP"
 """Set on a Slurm job step's tasks: take the place in the world from Slurm's variables."""
 LOCAL_WORLD_ENV = "SCALESTUDY_LOCAL_WORLD_SIZE"
 RENDEZVOUS_ENV = "SCALESTUDY_RENDEZVOUS"
-"""A file path: rank 0 of a Slurm step publishes its store's `host:port` there, the others read it."""
+"""A file path, new for each launch: rank 0 publishes its store's `host:port` there, the others
+read it (file_rendezvous)."""
 PR_SET_PDEATHSIG = 1
 
 
@@ -195,10 +197,12 @@ def slurm_step_env() -> None:
     )
 
 
-def slurm_rendezvous() -> Any:
-    """The step's TCPStore, on a port the OS chose on rank 0's node: rank 0 publishes `host:port`
-    in a file every task can read (the shared filesystem the step's logs go through). A fixed port
-    collides with whatever else holds it; a file names exactly this step's store."""
+def file_rendezvous() -> Any:
+    """The launch's TCPStore, on a port the OS chose on rank 0's node: rank 0 publishes `host:port`
+    in a file every rank can read (a Slurm step's shared filesystem, which its logs go through;
+    this machine's under launcher=local). A port chosen beforehand collides with whatever takes it
+    in between: a launcher=local rank 0 once failed with EADDRINUSE on the port its driver had
+    found free, beside a Ray head's processes (2026-12-07). A file names exactly this launch's store."""
     import datetime
 
     import torch.distributed as dist
@@ -208,7 +212,8 @@ def slurm_rendezvous() -> Any:
     timeout = datetime.timedelta(seconds=timeout_s)
     world = int(os.environ["WORLD_SIZE"])
     if os.environ["RANK"] == "0":
-        host = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+        slurm = os.environ.get(SLURM_STEP_ENV) == "1"
+        host = (os.environ.get("SLURMD_NODENAME") or os.uname().nodename) if slurm else "127.0.0.1"
         store = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
         write_atomic(path, f"{host}:{store.port}")
         return store
@@ -297,8 +302,8 @@ def main(task_file: str) -> int:
         die_with_parent()
     try:
         task: Task = pickle.loads(task_path.read_bytes())
-        slurm_distributed = os.environ.get(SLURM_STEP_ENV) == "1" and os.environ.get(DISTRIBUTED_ENV, "1") == "1"
-        setup_torch(slurm_rendezvous() if slurm_distributed else None, task)
+        rendezvous = RENDEZVOUS_ENV in os.environ and os.environ.get(DISTRIBUTED_ENV, "1") == "1"
+        setup_torch(file_rendezvous() if rendezvous else None, task)
         result = run_task(task)
         if rank == 0:
             write_atomic(task_path.parent / RESULT_FILE, pickle.dumps(result))
