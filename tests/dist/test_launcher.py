@@ -32,6 +32,16 @@ def test_rank0_result_comes_back():
     assert not _alive(result["pid"]), "the worker process outlived its stage"
 
 
+def test_the_ranks_meet_at_a_port_rank_0_opened_named_in_a_file_of_the_launch(tmp_path):
+    """No port is chosen before the workers start, where another process could take it in
+    between (a stage failed so with EADDRINUSE beside a Ray head); the file goes with the launch."""
+    seen = run_world(f"{W}:rendezvous_seen", world=2, workdir=tmp_path)
+    assert seen["master_port"] is None
+    host, _, port = seen["published"].rpartition(":")
+    assert host == "127.0.0.1" and int(port) == seen["store_port"]
+    assert not list(tmp_path.glob("rendezvous-*")), "the launch's rendezvous file is removed with it"
+
+
 def test_an_exception_names_the_rank_and_its_message(tmp_path):
     with pytest.raises(StageFailed, match=r"rank 1 failed: ValueError: planted failure on rank 1"):
         run_world(f"{W}:raise_on_rank1", world=2, workdir=tmp_path)

@@ -16,6 +16,21 @@ def ranks_sum(_inputs: object) -> dict:
     return {"sum": t.item(), "world": dist.get_world_size(), "pid": os.getpid()}
 
 
+def rendezvous_seen(_inputs: object) -> dict:
+    """How this rank met its peers: MASTER_PORT (unset under launcher=local), the `host:port`
+    rank 0 published in the launch's file, and the port of the store the group runs on."""
+    from pathlib import Path
+
+    from pipelines.launchers.worker import RENDEZVOUS_ENV
+
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    dist.barrier()
+    return {"master_port": os.environ.get("MASTER_PORT"), "published": Path(os.environ[RENDEZVOUS_ENV]).read_text(),
+            "store_port": store.port}
+
+
 def raise_on_rank1(_inputs: object) -> None:
     if dist.get_rank() == 1:
         raise ValueError("planted failure on rank 1")
