@@ -60,3 +60,44 @@ def block_activations(inputs: tuple[ModelConfig, StrategyConfig, int, int]) -> d
         "gathered_per_layer": list(stats.per_layer) if stats else [],
         "scattered_bytes": stats.scattered_bytes if stats else 0,
     }
+
+
+def attention_both_ways(inputs: tuple[int, int]) -> dict:
+    """Context-parallel causal attention on random Q/K/V (the same on every rank), once with each
+    chunk's mask built as a tensor (a CPU's way) and once as the lower-right bias CUDA's kernels
+    apply themselves (torch builds it on a CPU): the largest difference from one process's
+    attention over the whole sequence, in the outputs and in the gradients of this rank's Q, K
+    and V, over every rank; and the mask tensors each way built."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from training.parallel.cp import ContextParallel
+
+    heads, kv_heads = inputs
+    rank, size = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(0)
+    batch, seq, dim = 2, 8 * size, 8
+
+    def rand(h: int) -> torch.Tensor:
+        return torch.randn(batch, h, seq, dim, generator=gen, dtype=torch.float64)
+
+    q, k, v, grad = rand(heads), rand(kv_heads), rand(kv_heads), rand(heads)
+    gqa = {"enable_gqa": True} if kv_heads != heads else {}
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    reference = F.scaled_dot_product_attention(*whole, is_causal=True, **gqa)
+    reference.backward(grad)
+    result = {}
+    for name, kernel_masks in (("tensor", False), ("kernel", True)):
+        cp = ContextParallel(dist.group.WORLD, rank, size, kernel_masks=kernel_masks)
+        at = cp.split.positions(seq)
+        local = [t.index_select(2, at).clone().requires_grad_() for t in (q, k, v)]
+        with cp.dispatch():
+            out = F.scaled_dot_product_attention(*local, is_causal=True, **gqa)
+        out.backward(grad.index_select(2, at))
+        pairs = [(out, reference), *((mine.grad, theirs.grad) for mine, theirs in zip(local, whole, strict=True))]
+        error = torch.tensor(max(float((a - b.index_select(2, at)).abs().max()) for a, b in pairs))
+        dist.all_reduce(error, op=dist.ReduceOp.MAX)
+        masks = torch.tensor(len(cp._masks))
+        dist.all_reduce(masks)
+        result[name] = {"error": float(error), "masks": int(masks)}
+    return result

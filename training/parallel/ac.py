@@ -45,6 +45,7 @@ SAVED_OPS = frozenset({
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_fused_attention_overrideable.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._efficient_attention_forward.default,  # context parallelism's lower-right causal chunks (cp.py)
     # A reduction whose result low-precision training reuses (torchtitan's list).
     _aten.max.default,
     # Tensor parallelism's reductions of the row-split linears: recomputing them would repeat the

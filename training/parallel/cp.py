@@ -6,13 +6,26 @@ tokens alone. Attention is the one layer that mixes tokens: while the model runs
 `F.scaled_dot_product_attention` is dispatched to `ContextParallel.attention`, which all-gathers
 the keys and values over the CP group (Llama 3's choice: K/V are small next to Q under GQA, and
 one all-gather per layer is simpler than a ring), puts them back in sequence order and calls the
-real SDPA with this rank's queries and the causal mask of their true positions.
+real SDPA once per chunk of this rank's queries (below), each against the keys up to its own end.
 
 **Load balancing.** Under a causal mask the last tokens attend to the most keys, so contiguous
 chunks would leave the last rank with most of the work. As in torchtitan and Megatron, the
 sequence is cut into 2·cp chunks and rank i takes chunks i and 2·cp−1−i: every rank gets one
 early and one late chunk, the same number of query-key pairs under the mask. The sequence length
 must be a multiple of 2·cp.
+
+**Causal attention without a mask.** A chunk's queries are the last of the keys up to its end,
+so their causal mask is the lower-right-aligned triangle over that prefix, which CUDA's flash and
+memory-efficient kernels apply themselves (`torch.nn.attention.bias.causal_lower_right`): no mask
+tensor, and the kernel skips the masked blocks, so a rank runs the causal half of its
+query-key pairs, as the cost model counts them. One call for the rank's two chunks with one
+(s/cp) x s mask, as before, ran the memory-efficient kernel over every pair (twice the work) and
+kept a mask of 16 GiB at 256K tokens over cp 8. A CPU's kernels take no such alignment (torch
+would build the mask on every call): there each chunk's mask is built once and shared by every
+layer (c x (i+1)c for chunk i of c tokens), a square one (rank 0's first chunk) needs none.
+`ContextParallel.kernel_masks` says which; a test runs both on the CPU and holds them equal. The
+price of two calls: each keeps its own output for backward, and the layer goes on with their
+join, a copy (one attention output per layer more than one call kept, counted by the plan).
 
 **Positions.** Rank i's tokens are not positions 0..s/cp−1: the model is called with
 `position_ids=` (Hugging Face's convention; the GPT takes it too) holding their true positions, so
@@ -45,6 +58,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from common.errors import ContractError
 from training.contract.calls import Batch
@@ -142,13 +156,16 @@ class ContextParallel:
     """This rank's part of context parallelism: the batch split, the positions the model is
     called with, and the attention that sees the whole sequence (see the module docstring)."""
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, size: int):
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int, kernel_masks: bool | None = None):
         self.group = group
         self.split = SequenceSplit(rank, size)
         self.stats = CommStats()
         self.positions: torch.Tensor | None = None
         """This micro-batch's true positions, set while a step runs."""
-        self._masks: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+        self.kernel_masks = kernel_masks
+        """Whether a chunk's causal mask goes to SDPA as `causal_lower_right` (the kernel applies it)
+        or as a tensor built once per shape; None: the former on any device but a CPU."""
+        self._masks: dict[tuple[int, int, torch.device, torch.dtype], torch.Tensor] = {}
         self._calls = 0
 
     # ---- the batch ---------------------------------------------------------------------------
@@ -194,8 +211,9 @@ class ContextParallel:
             F.scaled_dot_product_attention = original
 
     def attention(self, sdpa: Callable[..., torch.Tensor], *args: object, **kwargs: object) -> torch.Tensor:
-        """SDPA over the whole sequence for this rank's queries: K/V all-gathered, put back in
-        sequence order, the causal mask of the queries' true positions."""
+        """SDPA over the whole sequence for this rank's queries: K/V all-gathered and put back in
+        sequence order; under a causal mask, one call per chunk of queries against the keys up to
+        the chunk's end (see the module docstring)."""
         a = dict(zip(SDPA_PARAMS, args, strict=False)) | kwargs
         query, key, value = a["query"], a["key"], a["value"]
         if query.device.type == "meta":  # a pipeline stage's shape inference: no peers to gather from
@@ -216,28 +234,48 @@ class ContextParallel:
             key, value = kv[0], kv[1]
         else:
             key, value = self._gather(key, dim), self._gather(value, dim)
-        mask = self._mask(query.shape[dim], key.shape[dim], query) if causal else None
-        return sdpa(query, key, value, attn_mask=mask, dropout_p=a.get("dropout_p", 0.0), scale=a.get("scale"),
-                    **({"enable_gqa": True} if a.get("enable_gqa") else {}))
+        extra = {"dropout_p": a.get("dropout_p", 0.0), "scale": a.get("scale"),
+                 **({"enable_gqa": True} if a.get("enable_gqa") else {})}
+        if not causal:
+            return sdpa(query, key, value, **extra)
+        c = query.shape[dim] // 2
+        outputs = []
+        # torch's own SDPA in the module while the chunks run: the causal bias dispatches only a
+        # call of that attribute to the kernels, and calls it itself where it builds the mask.
+        swapped, F.scaled_dot_product_attention = F.scaled_dot_product_attention, sdpa
+        try:
+            for half, chunk in enumerate(self.split.chunks()):
+                end = (chunk + 1) * c
+                outputs.append(sdpa(query.narrow(dim, half * c, c), key.narrow(dim, 0, end),
+                                    value.narrow(dim, 0, end), **self._causal(c, end, query), **extra))
+        finally:
+            F.scaled_dot_product_attention = swapped
+        # Joined in the layout the fused kernels return ((batch, sequence, heads, head_dim) in
+        # memory), so that a model's transpose back to tokens stays a view, as after one call.
+        return torch.cat([o.transpose(1, 2) for o in outputs], dim=1).transpose(1, 2)
 
     def _gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """The whole sequence of `x` (this rank's tokens along `dim`), in order."""
         gathered = _GatherSequence.apply(x, self.group, self.split.size, self.stats)
         return self.split.unshard(gathered, dim)
 
-    def _mask(self, local: int, seq_len: int, query: torch.Tensor) -> torch.Tensor:
-        """The additive causal mask of this rank's queries: 0 where the key's position is at most
-        the query's, -inf elsewhere. Additive in the query's dtype, made once and shared by every
-        layer: SDPA would otherwise convert a boolean mask into a new one per call, and keep each
-        for backward."""
-        key = (seq_len, query.device, query.dtype)
+    def _causal(self, queries: int, keys: int, like: torch.Tensor) -> dict[str, object]:
+        """SDPA's arguments for `queries` queries that are the last of `keys` keys under a causal
+        mask: `is_causal` where they are all of them; else the lower-right triangle, as a bias the
+        kernel applies or as an additive mask (0 where the key is at or before the query, -inf
+        after) in the query's dtype, made once per shape and shared by every layer: SDPA would
+        otherwise convert a boolean mask into a new one per call, and keep each for backward."""
+        if queries == keys:
+            return {"is_causal": True}
+        if self.kernel_masks if self.kernel_masks is not None else like.device.type != "cpu":
+            return {"attn_mask": causal_lower_right(queries, keys)}
+        key = (queries, keys, like.device, like.dtype)
         if key not in self._masks:
-            queries = self.split.positions(seq_len, query.device)
-            assert queries.numel() == local, "queries are this rank's tokens"
-            allowed = torch.arange(seq_len, device=query.device)[None, :] <= queries[:, None]
-            mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
+            rows = torch.arange(keys - queries, keys, device=like.device)
+            allowed = torch.arange(keys, device=like.device)[None, :] <= rows[:, None]
+            mask = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device)
             self._masks[key] = mask.masked_fill_(~allowed, float("-inf"))
-        return self._masks[key]
+        return {"attn_mask": self._masks[key]}
 
     # ---- the step ----------------------------------------------------------------------------
 

@@ -231,7 +231,12 @@ def activation_memory(w: Workload, d: ParallelDims) -> float:
     divides every token's activations by cp and adds the peers' K and V its attention keeps for
     backward ((cp − 1)/cp of 2·s·kv/t per layer and sample, kv the keys' width SDPA sees; under
     full or selective checkpointing one layer's, the one recomputing: the all-gather is redone in
-    backward, measured) and one causal mask of (s/cp)·s per micro-batch (training/parallel/cp.py). A pipeline stage holds its share of the blocks'
+    backward, measured), and one attention output more per layer (its two chunks' SDPA calls keep
+    their outputs, the layer goes on with their join: s/cp·h/t per sample), both for every layer
+    without checkpointing and for the recomputing one with it; no causal mask: a chunk of a rank's
+    queries is the last of the keys up to its end, a lower-right triangle CUDA's kernels apply
+    without one (training/parallel/cp.py; on a CPU the trainer keeps each chunk's mask, c x (i+1)c
+    for chunk i of c = s/2cp tokens, one set for every layer: not counted). A pipeline stage holds its share of the blocks'
     activations for the microbatches its schedule keeps in flight (GPipe: all m; 1F1B: min(m, p)
     on the first stage, one on the last: planner/pipeline.in_flight), and the last stage also what
     is saved outside the blocks (the head, the loss) and the loss's temporaries, for the
@@ -280,16 +285,17 @@ def stage_activations(w: Workload, d: ParallelDims) -> StageActivations:
         # imbalance of what ranks hold times a balanced rank's (its TP rank's part of them).
         per_sample += a.experts / d.tp * (w.held_imbalance_at(d.ep) - 1.0)
     dtype = COMPUTE_BYTES[w.precision]
-    kv = mask = 0.0
+    kv = 0.0
     if d.cp > 1:
         per_sample /= d.cp
-        kv = 2 * w.shape.seq_len * w.shape.kv / d.tp * dtype * (d.cp - 1) / d.cp  # per layer and sample
-        mask = w.shape.seq_len / d.cp * w.shape.seq_len * dtype
+        # Per layer and sample: the peers' K and V, and the attention output the chunks' join adds.
+        kv = (2 * w.shape.seq_len * w.shape.kv / d.tp * dtype * (d.cp - 1) / d.cp
+              + w.shape.seq_len / d.cp * w.shape.hidden / d.tp * dtype)
     share = per_sample / a.saved if a.saved else 1.0
     layers = math.ceil(w.shape.layers / d.pp)
     kept_kv, recomputing_kv = (kv * layers, 0.0) if w.checkpointing == "none" else (0.0, kv)
     if d.pp == 1:
-        whole = (per_sample + kept_kv + recomputing_kv) * w.micro_batch + mask
+        whole = (per_sample + kept_kv + recomputing_kv) * w.micro_batch
         return StageActivations(whole, whole, share)
     tail = a.outside_blocks - a.head * (1 - 1 / split)
     ends = min((tail + w.loss_temps(d)) / d.cp, per_sample)  # a CP rank's head and loss see its part of each sequence
@@ -315,7 +321,7 @@ def stage_activations(w: Workload, d: ParallelDims) -> StageActivations:
         `ends_held` of them where it holds that stage, and the gradients its waiting passes keep."""
         return max(per_micro * (blocks * at.in_flight + ends * ends_held + waits * at.waiting
                                 + (waits_ends * at.waiting_ends if ends_held else 0.0) + recomputing_kv)
-                   for at in points) + mask + boundary * buffers
+                   for at in points) + boundary * buffers
 
     if w.v_shaped:
         # Rank 0 holds both ends of the V (`first` without the last stage's part, `last` with it);
