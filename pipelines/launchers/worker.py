@@ -5,7 +5,8 @@
 It reads its place in the world from torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK),
 meets its peers at a store rank 0 opens on a port the OS chose and names in a file
 (SCALESTUDY_RENDEZVOUS: launcher=local and launcher=slurm; MASTER_ADDR and MASTER_PORT where it
-is not set), initialises torch.distributed with a collective timeout, calls the stage function, and leaves rank 0's result next to the task file. Any exception is written to
+is not set), initialises torch.distributed with a collective timeout, calls the stage function,
+and leaves rank 0's result next to the task file. Any exception is written to
 `error-rank<R>.json` (type, message, traceback; the driver reports the message) and exits non-zero.
 Every rank, failed or not, leaves its peak device memory over the stage in `memory-rank<R>.json`.
 """

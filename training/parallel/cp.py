@@ -267,7 +267,8 @@ class ContextParallel:
         otherwise convert a boolean mask into a new one per call, and keep each for backward."""
         if queries == keys:
             return {"is_causal": True}
-        if self.kernel_masks if self.kernel_masks is not None else like.device.type != "cpu":
+        in_kernel = like.device.type != "cpu" if self.kernel_masks is None else self.kernel_masks
+        if in_kernel:
             return {"attn_mask": causal_lower_right(queries, keys)}
         key = (queries, keys, like.device, like.dtype)
         if key not in self._masks:
