@@ -29,12 +29,18 @@ def run_world(fn: str, inputs: Any = None, world: int = 2, workdir: Path | None 
               memory_budget_gib: float | None = None, **kwargs: Any) -> Any:
     """Call `fn` ("module:function", importable from the repo root) as `fn(inputs, **kwargs)` on
     `world` ranks with torch.distributed (gloo) initialised, each held to `memory_budget_gib` when
-    given; return rank 0's result, or raise StageFailed naming the failing rank."""
+    given; return rank 0's result, or raise StageFailed naming the failing rank. Without a
+    `workdir` the ranks' own is a scratch directory, removed when they succeed and kept when they
+    fail (its rank logs say why; the error names it)."""
+    scratch = workdir is None
     workdir = workdir or Path(tempfile.mkdtemp(prefix="scalestudy-test-"))
     launcher = LocalLauncher(LauncherConfig(timeout_s=timeout_s, grace_s=grace_s))
     task = Task(stage="test", fn=fn, inputs=inputs, kwargs=kwargs, artifacts=artifacts, workdir=workdir,
                 memory_budget_gib=memory_budget_gib)
-    return launcher.run(task, WorldSpec(world, 1))
+    result = launcher.run(task, WorldSpec(world, 1))
+    if scratch:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return result
 
 
 def wait_for_mlflow_record(summary: Path, timeout_s: float = 120.0) -> dict:
