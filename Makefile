@@ -10,6 +10,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell printf '%s' '$(TORCH_SPEC)' | md5sum | cut -c1-10)
 ARGS ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (tests/conftest.py groups the tests; 0 runs them in one process).
+TEST_WORKERS ?= 2
 
 .PHONY: run test lint setup bench gpu-smoke gpu-smoke-multi clean
 
@@ -30,7 +32,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 test: $(STAMP) lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Side-by-side ratios against plain PyTorch, bare collectives and the tool itself; minutes.
 bench: $(STAMP)

@@ -10,6 +10,31 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("PYTHONPATH", str(ROOT))
 
+CLUSTER_FILES = {"test_ray.py", "test_slurm.py", "test_launchers_e2e.py", "test_own_model.py"}
+"""The files whose tests start Ray instances or submit to the local Slurm cluster."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadfile`): on 2 cores
+    one pytest process's tests use ~1.3 of them on average (a launch's ranks start, import torch,
+    wait on each other and on Slurm), so two keep both busy. As loadfile does, each file goes to
+    one worker (its module fixtures, some of them whole runs, are built once); and the files that
+    use Ray or the Slurm cluster count as one file: the local cluster has two nodes, so two
+    allocations at once would queue behind each other inside tests that time their failures.
+    (xdist's own `loadgroup` marks do not group under pytest 9.2, whose node ids no longer read
+    the `_nodeid` that xdist 3.8 rewrites.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "cluster" if Path(path).name in CLUSTER_FILES else path
+
+    return ByFile(config, log)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _background_mlflow_records(tmp_path_factory):
