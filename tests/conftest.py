@@ -36,6 +36,16 @@ def pytest_xdist_make_scheduler(config, log):
     return ByFile(config, log)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test (its fixtures' setup and teardown too) holds the workers' host lock shared, so a
+    timed run inside `host_to_itself` has the cores to itself (tests/helpers.py)."""
+    from tests.helpers import sharing_the_host
+
+    with sharing_the_host():
+        return (yield)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _background_mlflow_records(tmp_path_factory):
     """A fully cached invocation leaves a background replay that logs it to MLflow and deletes its
